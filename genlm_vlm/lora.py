@@ -1,0 +1,98 @@
+"""LoRA adapter registry: names -> never-reused vLLM integer ids.
+
+vLLM identifies a loaded adapter by its integer id and silently keeps the old weights when an id
+is reused with another path, so every registration here takes a fresh id, also when a name is
+registered again. The id is part of every cache key, so rows computed under an older
+registration of a name are never returned for the newer one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A registered adapter: user-facing ``name``, unique ``int_id`` (> 0) and ``path``."""
+
+    name: str
+    int_id: int
+    path: str
+
+
+class UnknownAdapterError(ValueError):
+    """A call named a LoRA adapter that is not registered."""
+
+
+class LoraRegistry:
+    """Thread-safe mapping of adapter names to :class:`Adapter` records.
+
+    The default adapter (``set_lora``) is used by calls that pass ``lora_name=None``;
+    ``clear_lora`` makes those calls use the base model again.
+    """
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._by_name: dict[str, Adapter] = {}
+        self._default: str | None = None
+        self._lock = threading.Lock()
+
+    def new(self, name: str, path: str | os.PathLike[str]) -> Adapter:
+        """A fresh record for ``name`` (not yet registered; see :meth:`commit`)."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"lora_name must be a non-empty str, got {name!r}")
+        path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise TypeError(f"lora_path must be a non-empty path, got {path!r}")
+        with self._lock:
+            return Adapter(name=name, int_id=next(self._ids), path=path)
+
+    def commit(self, adapter: Adapter) -> Adapter | None:
+        """Register ``adapter`` under its name; returns the record it replaced, if any."""
+        with self._lock:
+            old = self._by_name.get(adapter.name)
+            self._by_name[adapter.name] = adapter
+            return old
+
+    def resolve(self, name: str | None) -> Adapter | None:
+        """The adapter a call uses: ``name``, else the default, else None (base model)."""
+        with self._lock:
+            if name is None:
+                name = self._default
+                if name is None:
+                    return None
+            elif not isinstance(name, str):
+                raise TypeError(f"lora_name must be a str or None, got {type(name).__name__}")
+            adapter = self._by_name.get(name)
+        if adapter is None:
+            raise UnknownAdapterError(
+                f"unknown LoRA adapter {name!r}; register it with add_new_lora(path, {name!r})"
+                f" (registered: {sorted(self._by_name) or 'none'})"
+            )
+        return adapter
+
+    def remove(self, name: str) -> Adapter:
+        with self._lock:
+            adapter = self._by_name.pop(name, None)
+            if adapter is not None and self._default == name:
+                self._default = None
+        if adapter is None:
+            raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: nothing to remove")
+        return adapter
+
+    def set_default(self, name: str | None) -> None:
+        if name is not None:
+            self.resolve(name)
+        with self._lock:
+            self._default = name
+
+    @property
+    def default(self) -> str | None:
+        return self._default
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._by_name)

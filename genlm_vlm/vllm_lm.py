@@ -1,0 +1,496 @@
+"""``AsyncVirtualLM``: full-vocabulary next-token log-probabilities from vLLM, sync and async.
+
+How a row is computed: every prompt becomes one vLLM request with ``max_tokens=1`` whose
+``SamplingParams.extra_args`` carry a unique tag; the capture logits processor stores
+``log_softmax`` of the raw logits of that request's last scheduled row (the step where its
+prefill finished). Async awaits are grouped by :class:`~genlm_vlm.batching.AutoBatcher` into one
+deduplicated ``generate`` per batch on the engine thread; sync calls go through the same
+:meth:`AsyncVirtualLM._compute_logprobs` function on the same thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import numbers
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import AsyncLM, TokenIds
+from .batching import AutoBatcher
+from .cache import OutputCache
+from .engine import EngineDriver, make_lora_request
+from .lora import Adapter, LoraRegistry
+
+logger = logging.getLogger(__name__)
+
+_OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
+
+
+class ClosedError(RuntimeError):
+    """The model was cleaned up; it accepts no more calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LogprobRequest:
+    ids: tuple[int, ...]
+    adapter: Adapter | None
+
+
+@dataclass(frozen=True, slots=True)
+class _SampleRequest:
+    ids: tuple[int, ...]
+    max_tokens: int
+    eos: tuple[int, ...]
+    temperature: float
+    seed: int | None
+    adapter: Adapter | None
+
+
+def _clone(row: torch.Tensor) -> torch.Tensor:
+    return row.clone()
+
+
+class AsyncVirtualLM(AsyncLM):
+    """A vLLM model that hands out next-token log-probability rows to many concurrent awaiters.
+
+    Rows are 1-D ``torch.float32`` tensors of length :attr:`vocab_size` (the model's logit
+    width), normalised (``logsumexp == 0``), on ``output_device`` (CPU by default; ``"engine"``
+    keeps them on the engine's device). Every returned tensor is the caller's own copy.
+
+    Results are cached per ``(adapter, token ids)`` in an :class:`~genlm_vlm.cache.OutputCache`
+    bounded by ``cache_size`` entries and ``cache_opts["max_bytes"]`` bytes; identical prompts in
+    flight are computed once. Build with :meth:`from_name`; release with :meth:`cleanup` or a
+    ``with`` / ``async with`` block.
+    """
+
+    def __init__(
+        self,
+        driver: EngineDriver,
+        *,
+        batch_size: int = 256,
+        timeout: float = 0.0,
+        cache_size: int | None = 10_000,
+        cache_opts: dict[str, Any] | None = None,
+        chunk_size: int = 1024,
+        min_chunk_size: int = 1,
+    ) -> None:
+        if chunk_size < 1 or min_chunk_size < 1:
+            raise ValueError("chunk_size and min_chunk_size must be >= 1")
+        self._driver = driver
+        self.tokenizer = driver.tokenizer()
+        self._vocab_size = driver.info.vocab_size
+        self.max_model_len = driver.info.max_model_len
+        self.chunk_size = int(chunk_size)
+        self.min_chunk_size = int(min_chunk_size)
+        self.cache = OutputCache.from_options(cache_size, cache_opts)
+        self._loras = LoraRegistry()
+        self._lora_requests: dict[int, Any] = {}
+        self._closed = False
+        self._logprob_batcher: AutoBatcher[_LogprobRequest, torch.Tensor] = AutoBatcher(
+            self._compute_logprobs,
+            executor=driver.executor,
+            batch_size=batch_size,
+            timeout=timeout,
+            cache=self.cache,
+            deliver=_clone,
+            name="logprobs",
+        )
+        self._sample_batcher: AutoBatcher[_SampleRequest, list[int]] = AutoBatcher(
+            self._compute_samples,
+            executor=driver.executor,
+            batch_size=batch_size,
+            timeout=timeout,
+            dedupe=False,
+            deliver=list,
+            name="sample",
+        )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_name(
+        cls,
+        model_name: str | os.PathLike[str],
+        engine_opts: dict[str, Any] | None = None,
+        *,
+        output_device: str | torch.device = "cpu",
+        **kwargs: Any,
+    ) -> AsyncVirtualLM:
+        """Build the vLLM engine for ``model_name`` (hub name or local path) and wrap it.
+
+        ``engine_opts`` go to ``vllm.LLM`` unchanged (e.g. ``dtype``, ``max_model_len``,
+        ``enable_lora``, ``max_num_batched_tokens``); genlm_vlm's defaults are prefix caching on
+        and, on the CPU build, ``enforce_eager=True``. Other keyword arguments go to
+        :class:`AsyncVirtualLM` (``batch_size``, ``timeout``, ``cache_size``, ``cache_opts``,
+        ``chunk_size``, ``min_chunk_size``).
+        """
+        driver = EngineDriver(os.fspath(model_name), engine_opts, output_device=output_device)
+        try:
+            return cls(driver, **kwargs)
+        except BaseException:
+            driver.shutdown()
+            raise
+
+    @property
+    def vocab_size(self) -> int:
+        """Logit width V: the length of every returned row."""
+        return self._vocab_size
+
+    @property
+    def engine_info(self) -> Any:
+        """:class:`~genlm_vlm.engine.ModelInfo` (vocab size, max length, model runner)."""
+        return self._driver.info
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``vllm.LLM`` (call it only through this object's methods while in use)."""
+        self._check_open()
+        return self._driver.llm
+
+    # ------------------------------------------------------------------ validation
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this AsyncVirtualLM was cleaned up; build a new one")
+
+    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
+        """Validate one prompt; returns it as a tuple of Python ints."""
+        if isinstance(token_ids, (str, bytes)):
+            raise TypeError(f"{what} must be a sequence of token ids, got {type(token_ids).__name__}; use lm.tokenizer.encode(text)")
+        if isinstance(token_ids, torch.Tensor | np.ndarray):
+            if token_ids.ndim != 1:
+                raise ValueError(f"{what} must be 1-D, got shape {tuple(token_ids.shape)}")
+            if isinstance(token_ids, torch.Tensor):
+                integer = not (token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool)
+            else:
+                integer = np.issubdtype(token_ids.dtype, np.integer)
+            if not integer:
+                raise TypeError(f"{what} must hold integers, got dtype {token_ids.dtype}")
+            ids = tuple(token_ids.tolist())
+        elif isinstance(token_ids, Sequence):
+            ids = tuple(token_ids)
+            if not all(type(t) is int for t in ids):
+                converted = []
+                for i, t in enumerate(ids):
+                    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                        raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
+                    converted.append(int(t))
+                ids = tuple(converted)
+        else:
+            raise TypeError(f"{what} must be a sequence of int token ids, got {type(token_ids).__name__}")
+        if not ids:
+            raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self._vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{what} holds token id {bad} at index {ids.index(bad)}, outside the vocabulary [0, {self._vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
+                f"(max_model_len={self.max_model_len}, one position is needed for the next token)"
+            )
+        return ids
+
+    def _request(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> _LogprobRequest:
+        self._check_open()
+        return _LogprobRequest(self._check_ids(token_ids, what), self._loras.resolve(lora_name))
+
+    @staticmethod
+    def _key(req: _LogprobRequest) -> tuple[int, tuple[int, ...]]:
+        return (0 if req.adapter is None else req.adapter.int_id, req.ids)
+
+    # ------------------------------------------------------------------ engine thread work
+    def _lora_list(self, adapters: Sequence[Adapter | None]) -> list[Any] | None:
+        if all(a is None for a in adapters):
+            return None
+        return [None if a is None else self._lora_requests[a.int_id] for a in adapters]
+
+    def _compute_logprobs(self, reqs: list[_LogprobRequest]) -> list[torch.Tensor]:
+        """One tagged ``generate`` for ``reqs`` (runs on the engine thread)."""
+        return self._driver.logprobs([r.ids for r in reqs], self._lora_list([r.adapter for r in reqs]))
+
+    def _compute_samples(self, reqs: list[_SampleRequest]) -> list[list[int]]:
+        """One ``generate`` sampling every request (runs on the engine thread)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(
+                max_tokens=r.max_tokens,
+                temperature=r.temperature,
+                seed=r.seed,
+                stop_token_ids=list(r.eos),
+                ignore_eos=True,  # stop only on the caller's eos_token_ids
+                detokenize=False,
+            )
+            for r in reqs
+        ]
+        outs = self._driver.generate(
+            [TokensPrompt(prompt_token_ids=list(r.ids)) for r in reqs],
+            params,
+            self._lora_list([r.adapter for r in reqs]),
+        )
+        results: list[list[int]] = []
+        for r, out in zip(reqs, outs, strict=True):
+            toks = list(out.outputs[0].token_ids)
+            if toks and toks[-1] in r.eos:
+                toks.pop()
+            results.append(toks)
+        return results
+
+    # ------------------------------------------------------------------ async API
+    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Log-probabilities of the token after ``token_ids``: float32 ``[V]`` on ``output_device``.
+
+        Concurrent awaits are batched into one engine call; identical prompts (same adapter)
+        are computed once; cached rows do not touch the engine. ``lora_name`` selects a
+        registered adapter (None: the default set by :meth:`set_lora`, else the base model).
+        """
+        req = self._request(token_ids, lora_name)
+        return await self._logprob_batcher.submit(req, self._key(req))
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Rows for every prompt: float32 ``[N, V]`` in input order (batched with other awaits)."""
+        reqs = [self._request(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
+        if not reqs:
+            return torch.empty((0, self._vocab_size), dtype=torch.float32)
+        rows = await asyncio.gather(*(self._logprob_batcher.submit(r, self._key(r)) for r in reqs))
+        return torch.stack(rows)
+
+    async def sample(
+        self,
+        prompt_token_ids: TokenIds,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[int]:
+        """Sample up to ``max_tokens`` tokens after the prompt with vLLM's sampler.
+
+        Stops after any token of ``eos_token_ids`` (the model's own EOS is not special), which is
+        stripped from the result. ``temperature=0`` is greedy. A fixed ``seed`` reproduces the
+        same tokens. Concurrent calls share one engine call, so vLLM batches their decode steps.
+        """
+        req = self._sample_request(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
+        return await self._sample_batcher.submit(req)
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Sequence[TokenIds],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[list[int]]:
+        """:meth:`sample` for each prompt, in one engine call. With ``seed``, prompt ``i`` uses
+        ``seed + i`` (reproducible, and identical prompts still get different samples)."""
+        reqs = [
+            self._sample_request(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i, lora_name, f"prompt_token_ids_list[{i}]")
+            for i, p in enumerate(prompt_token_ids_list)
+        ]
+        return list(await asyncio.gather(*(self._sample_batcher.submit(r) for r in reqs)))
+
+    def _sample_request(
+        self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, lora_name: str | None,
+        what: str = "prompt_token_ids",
+    ) -> _SampleRequest:
+        self._check_open()
+        ids = self._check_ids(prompt, what)
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if isinstance(eos, int):
+            eos = [eos]
+        eos_ids = self._check_ids(eos, "eos_token_ids") if len(eos) else ()
+        if not isinstance(temperature, numbers.Real) or temperature < 0 or not np.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        return _SampleRequest(ids, max_tokens, eos_ids, float(temperature), None if seed is None else int(seed), self._loras.resolve(lora_name))
+
+    # ------------------------------------------------------------------ sync API
+    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Blocking :meth:`next_token_logprobs` (same engine call path, same cache)."""
+        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
+
+    def batch_next_token_logprobs_sync(
+        self,
+        token_ids_list: Sequence[TokenIds],
+        lora_name: str | None = None,
+        *,
+        chunk_size: int | None = None,
+        show_progress: bool = False,
+    ) -> torch.Tensor:
+        """Rows for every prompt, blocking: float32 ``[N, V]`` on ``output_device``.
+
+        All prompts are validated first (a bad one raises before any engine work, naming its
+        index). Cached rows are reused, duplicates computed once, and the rest sent in engine
+        calls of at most ``chunk_size`` prompts. If a call runs out of memory, the chunk is halved
+        and retried, down to ``min_chunk_size``; below that the error is re-raised.
+        """
+        reqs = [self._request(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
+        if not reqs:
+            return torch.empty((0, self._vocab_size), dtype=torch.float32)
+        keys = [self._key(r) for r in reqs]
+        found: dict[Any, torch.Tensor] = {}
+        todo: dict[Any, _LogprobRequest] = {}
+        for k, r in zip(keys, reqs, strict=True):
+            if k in found or k in todo:
+                continue
+            row = self.cache.get(k)
+            if row is None:
+                todo[k] = r
+            else:
+                found[k] = row
+        if todo:
+            rows = self._run_chunked(list(todo.values()), chunk_size or self.chunk_size, show_progress)
+            for k, row in zip(todo, rows, strict=True):
+                self.cache.put(k, row)
+                found[k] = row
+        return torch.stack([found[k] for k in keys])
+
+    def _run_chunked(self, reqs: list[_LogprobRequest], chunk_size: int, show_progress: bool) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        size = max(int(chunk_size), self.min_chunk_size)
+        bar = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(reqs), desc="scoring", unit="prompt")
+        try:
+            while len(out) < len(reqs):
+                chunk = reqs[len(out) : len(out) + size]
+                try:
+                    rows = self._driver.call(self._compute_logprobs, chunk)
+                except _OOM_ERRORS:
+                    if size <= self.min_chunk_size:
+                        raise
+                    size = max(self.min_chunk_size, size // 2)
+                    logger.warning("out of memory on a chunk of %d prompts; retrying with %d", len(chunk), size)
+                    continue
+                out.extend(rows)
+                if bar is not None:
+                    bar.update(len(rows))
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
+
+    # ------------------------------------------------------------------ LoRA
+    def add_new_lora(self, lora_path: str | os.PathLike[str], lora_name: str = "lora_1") -> None:
+        """Register (or re-register) the adapter at ``lora_path`` under ``lora_name``.
+
+        The adapter is loaded into the engine now, so a bad path fails here. Every registration
+        gets a fresh vLLM id, so rows cached under an earlier registration of the name are never
+        returned for this one. The engine needs ``enable_lora=True`` (and a ``max_lora_rank``
+        at least the adapter's rank) in ``engine_opts``.
+        """
+        self._check_open()
+        adapter = self._loras.new(lora_name, lora_path)
+        request = make_lora_request(adapter.name, adapter.int_id, adapter.path)
+        try:
+            self._driver.call(self._driver.add_lora, request)
+        except ValueError as e:
+            raise ValueError(f"cannot load LoRA adapter {lora_name!r} from {adapter.path!r}: {e}") from e
+        self._lora_requests[adapter.int_id] = request
+        old = self._loras.commit(adapter)
+        if old is not None:
+            self._driver.call(self._driver.remove_lora, old.int_id)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister ``lora_name`` and free its weights in the engine. Unknown name: ValueError."""
+        self._check_open()
+        adapter = self._loras.remove(lora_name)
+        self._driver.call(self._driver.remove_lora, adapter.int_id)
+
+    def set_lora(self, lora_path: str | os.PathLike[str] | None = None, lora_name: str = "lora_1") -> None:
+        """Make ``lora_name`` the default adapter for calls that pass ``lora_name=None``.
+
+        With ``lora_path`` the adapter is registered first (as :meth:`add_new_lora`).
+        """
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self._loras.set_default(lora_name)
+
+    def clear_lora(self) -> None:
+        """Calls with ``lora_name=None`` use the base model again."""
+        self._loras.set_default(None)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the registered adapters."""
+        return self._loras.names()
+
+    # ------------------------------------------------------------------ housekeeping
+    def warm_up(self, prefix_token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Prime the engine's prefix cache (and this object's output cache) for a shared prompt.
+
+        Later prompts that extend ``prefix_token_ids`` reuse its KV blocks. Returns its row.
+        """
+        return self.next_token_logprobs_sync(prefix_token_ids, lora_name=lora_name)
+
+    def clear_cache(self) -> None:
+        """Drop every cached row (the engine's prefix cache is left alone)."""
+        self.cache.clear()
+
+    def reset_async_queries(self) -> None:
+        """Cancel every pending and in-flight async query: their awaiters get ``CancelledError``."""
+        self._logprob_batcher.reset()
+        self._sample_batcher.reset()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: engine calls and requests, batch sizes, dedup joins, cache hits and size."""
+        return {
+            "engine_calls": self._driver.engine_calls,
+            "engine_requests": self._driver.engine_requests,
+            "logprobs": self._logprob_batcher.stats,
+            "sample": self._sample_batcher.stats,
+            "cache": self.cache.stats,
+            "capture_apply_calls": self._driver.sink.apply_calls,
+        }
+
+    def cleanup(self) -> None:
+        """Shut the engine down and free its memory. Idempotent.
+
+        Pending awaiters get :class:`ClosedError`; every later call raises it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        err = ClosedError("this AsyncVirtualLM was cleaned up while the call was pending")
+        self._logprob_batcher.close_nowait(err)
+        self._sample_batcher.close_nowait(err)
+        self._driver.shutdown()
+        self.cache.clear()
+
+    def __enter__(self) -> AsyncVirtualLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> AsyncVirtualLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.cleanup)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self.cleanup()
+        except Exception as e:  # noqa: BLE001 - never raise from __del__ (interpreter shutdown)
+            try:
+                warnings.warn(f"AsyncVirtualLM cleanup in __del__ failed: {e!r}", RuntimeWarning, stacklevel=1)
+            except Exception:  # noqa: BLE001
+                pass
