@@ -289,11 +289,12 @@ class EngineDriver:
                 f"seeing their logits (first index {missing[0]}); is another logits processor "
                 "or speculative decoding interfering?"
             )
-        out: list[torch.Tensor] = rows  # type: ignore[assignment]
-        if self.output_device is not None and out[0].device != self.output_device:
-            stacked = torch.stack(out).to(self.output_device)
-            out = list(stacked.unbind(0))
-        return out
+        # Compact rows: a captured row is a view of its whole apply() batch, which would stay
+        # alive (uncounted by the cache's byte budget) as long as any row of it is cached.
+        device = self.output_device
+        if device is not None and rows[0].device != device:  # type: ignore[union-attr]
+            return [r.clone() for r in torch.stack(rows).to(device)]  # type: ignore[arg-type]
+        return [r.clone() for r in rows]  # type: ignore[union-attr]
 
     def generate(self, inputs: Sequence[Any], params: Sequence[Any], lora_requests: Sequence[Any] | None = None) -> list[Any]:
         """Plain ``LLM.generate`` (used for sampling). Runs on the engine thread."""
