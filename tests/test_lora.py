@@ -1,0 +1,130 @@
+"""LoRA adapters made locally with peft: correctness vs HF+peft, isolation in cache and dedup."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import ENGINE_OPTS, _engine, max_abs_diff
+
+from genlm_vlm import UnknownAdapterError
+from genlm_vlm.testing import hf_reference_logprobs, random_prompts
+
+LORA_OPTS = {**ENGINE_OPTS, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+
+
+def _make_adapter(model_path: str, out_dir, seed: int) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_paths, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {name: _make_adapter(model_paths["llama"], root / name, seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+@pytest.fixture(scope="module")
+def lora_lm(model_paths, adapters):
+    lm = _engine(model_paths["llama"], LORA_OPTS)
+    lm.add_new_lora(adapters["a"], "a")
+    lm.add_new_lora(adapters["b"], "b")
+    return lm
+
+
+def test_logprobs_under_each_adapter_match_hf_peft(lora_lm, adapters, model_paths):
+    prompts = random_prompts(12, len(lora_lm.tokenizer), 1, 150, seed=21)
+    base_ref = hf_reference_logprobs(model_paths["llama"], prompts)
+    for name in ("a", "b"):
+        rows = lora_lm.batch_next_token_logprobs_sync(prompts, lora_name=name)
+        ref = hf_reference_logprobs(model_paths["llama"], prompts, lora_path=adapters[name])
+        assert max_abs_diff(rows, ref) < 1e-4
+        assert max_abs_diff(rows, base_ref) > 0.5  # the adapter really changes the logits
+    base = lora_lm.batch_next_token_logprobs_sync(prompts)
+    assert max_abs_diff(base, base_ref) < 1e-4
+
+
+async def test_interleaved_adapters_never_mix_rows(lora_lm, adapters, model_paths):
+    lora_lm.clear_cache()
+    prompts = random_prompts(10, len(lora_lm.tokenizer), 3, 60, seed=22)
+    refs = {
+        None: hf_reference_logprobs(model_paths["llama"], prompts),
+        "a": hf_reference_logprobs(model_paths["llama"], prompts, lora_path=adapters["a"]),
+        "b": hf_reference_logprobs(model_paths["llama"], prompts, lora_path=adapters["b"]),
+    }
+    order = [(name, i) for _ in range(3) for i in range(len(prompts)) for name in (None, "a", "b")]
+    for _round in range(2):  # second round is served from the output cache
+        rows = await asyncio.gather(*(lora_lm.next_token_logprobs(prompts[i], lora_name=n) for n, i in order))
+        for (name, i), row in zip(order, rows, strict=True):
+            assert float((row - refs[name][i]).abs().max()) < 1e-4, (name, i)
+    assert lora_lm.stats["logprobs"]["cache_hits"] > 0
+    # sync path too, mixing cached and fresh rows
+    for name in (None, "a", "b"):
+        assert max_abs_diff(lora_lm.batch_next_token_logprobs_sync(prompts, lora_name=name), refs[name]) < 1e-4
+
+
+def test_default_adapter_set_and_clear(lora_lm, adapters, model_paths):
+    p = [[5, 6, 7]]
+    ref_a = hf_reference_logprobs(model_paths["llama"], p, lora_path=adapters["a"])
+    ref_base = hf_reference_logprobs(model_paths["llama"], p)
+    lora_lm.set_lora(lora_name="a")
+    try:
+        assert max_abs_diff([lora_lm.next_token_logprobs_sync(p[0])], ref_a) < 1e-4
+    finally:
+        lora_lm.clear_lora()
+    assert max_abs_diff([lora_lm.next_token_logprobs_sync(p[0])], ref_base) < 1e-4
+
+
+def test_reregistering_a_name_uses_new_weights_and_fresh_id(lora_lm, adapters, model_paths):
+    p = [[9, 10, 11, 12]]
+    lora_lm.add_new_lora(adapters["a"], "swap")
+    first = lora_lm.next_token_logprobs_sync(p[0], lora_name="swap")
+    lora_lm.add_new_lora(adapters["c"], "swap")  # same name, other weights: never a stale row
+    second = lora_lm.next_token_logprobs_sync(p[0], lora_name="swap")
+    assert max_abs_diff([first], hf_reference_logprobs(model_paths["llama"], p, lora_path=adapters["a"])) < 1e-4
+    assert max_abs_diff([second], hf_reference_logprobs(model_paths["llama"], p, lora_path=adapters["c"])) < 1e-4
+    lora_lm.remove_lora("swap")
+    with pytest.raises(UnknownAdapterError, match="swap"):
+        lora_lm.next_token_logprobs_sync(p[0], lora_name="swap")
+
+
+async def test_unknown_adapter_errors_at_the_call(lora_lm):
+    with pytest.raises(UnknownAdapterError, match="nope"):
+        await lora_lm.next_token_logprobs([5, 6], lora_name="nope")
+    with pytest.raises(UnknownAdapterError):
+        lora_lm.next_token_logprobs_sync([5, 6], lora_name="nope")
+    with pytest.raises(UnknownAdapterError):
+        await lora_lm.sample([5, 6], 3, [], lora_name="nope")
+    with pytest.raises(UnknownAdapterError):
+        lora_lm.remove_lora("nope")
+    with pytest.raises(UnknownAdapterError):
+        lora_lm.set_lora(lora_name="nope")
+
+
+def test_bad_adapter_path_fails_at_registration(lora_lm, tmp_path):
+    with pytest.raises(Exception, match="bad"):
+        lora_lm.add_new_lora(tmp_path / "missing", "bad")
+    assert "bad" not in lora_lm.lora_names
+
+
+async def test_sampling_under_an_adapter(lora_lm):
+    greedy_a = await lora_lm.sample([5, 6, 7], 6, [], temperature=0.0, lora_name="a")
+    for i, t in enumerate(greedy_a):
+        assert int(lora_lm.next_token_logprobs_sync([5, 6, 7] + greedy_a[:i], lora_name="a").argmax()) == t
+
+
+def test_adapter_on_engine_without_lora_is_a_clear_error(llama_lm, adapters):
+    with pytest.raises(ValueError, match="enable_lora"):
+        llama_lm.add_new_lora(adapters["a"], "a")
