@@ -370,6 +370,19 @@ class EngineDriver:
         if not engine.add_lora(lora_request):
             raise RuntimeError(f"vLLM refused to load LoRA adapter {lora_request.lora_name!r}")
 
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """vLLM's prefix-cache counters (tokens queried / hit), or None when the engine keeps no
+        stats (pass ``disable_log_stats=False`` in ``engine_opts`` to enable). Engine thread."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # noqa: BLE001 - stats disabled: vLLM raises
+            return None
+        out = {}
+        for m in metrics:
+            if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+                out[m.name.removeprefix("vllm:prefix_cache_")] = int(getattr(m, "value", 0))
+        return out or None
+
     def remove_lora(self, int_id: int) -> None:
         """Drop an adapter from the engine's LoRA cache. Runs on the engine thread."""
         try:
