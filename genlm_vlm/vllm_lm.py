@@ -462,7 +462,7 @@ class AsyncVirtualLM(AsyncLM):
             "engine_requests": self._driver.engine_requests,
             "logprobs": self._logprob_batcher.stats,
             "sample": self._sample_batcher.stats,
-            "cache": self.cache.stats,
+            "cache": self.cache.stats(),
             "capture_apply_calls": self._driver.sink.apply_calls,
             "prefix_cache": None if self._closed else self._driver.call(self._driver.prefix_cache_stats),
         }

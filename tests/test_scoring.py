@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,10 +317,11 @@ def test_errors_alone_are_streamed(llama_lm):
 
 
 # ------------------------------------------------------------------------------ CLI
-def test_default_model_path_is_tiny_llama():
-    from genlm_vlm.testing import tiny_model_path
+def test_default_model_path_is_the_shipped_model():
+    from genlm_vlm.demo import default_model_path as shipped
 
-    assert default_model_path() == str(tiny_model_path("llama"))
+    assert default_model_path() == shipped()
+    assert (Path(default_model_path()) / "model.safetensors").is_file()
 
 
 def test_parse_engine_opt():

@@ -1,0 +1,280 @@
+"""The SMC demo: helper functions with a fake model, then the real command on the shipped model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_vlm import demo
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# A toy vocabulary: <s>=0, </s>=1 (EOS), then ordinary tokens.
+VOCAB = [b"<s>", b"</s>", b"a", b"b", b" ", b"ab", b".", b"\xc3"]
+EOS = 1
+
+
+def _row(probs: dict[int, float]) -> torch.Tensor:
+    p = torch.zeros(len(VOCAB), dtype=torch.float64)
+    for i, v in probs.items():
+        p[i] = v
+    return torch.log(p / p.sum()).float()
+
+
+# ------------------------------------------------------------------------------ pure helpers
+def test_constrained_step_weight_and_proposal() -> None:
+    row = _row({1: 0.1, 2: 0.2, 3: 0.3, 6: 0.4})
+    mask = torch.zeros(len(VOCAB), dtype=torch.bool)
+    mask[[1, 2, 3]] = True
+    log_mass, proposal = demo.constrained_step(row, mask)
+    assert log_mass == pytest.approx(math.log(0.6), abs=1e-6)
+    assert proposal is not None
+    assert torch.exp(proposal).sum().item() == pytest.approx(1.0, abs=1e-6)
+    assert proposal[6].item() == -math.inf
+    assert proposal[3].item() == pytest.approx(math.log(0.5), abs=1e-6)
+
+    none = torch.zeros(len(VOCAB), dtype=torch.bool)
+    none[0] = True  # only a zero-probability token
+    assert demo.constrained_step(row, none) == (-math.inf, None)
+
+
+def test_weights_ess_and_systematic_resampling() -> None:
+    assert demo.effective_sample_size([0.0] * 8) == pytest.approx(8.0)
+    assert demo.effective_sample_size([0.0, -math.inf, -math.inf]) == pytest.approx(1.0)
+    assert demo.effective_sample_size([-math.inf, -math.inf]) == 0.0
+    w = demo.normalized_weights([math.log(1), math.log(3)])
+    np.testing.assert_allclose(w, [0.25, 0.75])
+    assert demo.log_mean_exp([math.log(1), math.log(3)]) == pytest.approx(math.log(2))
+
+    rng = np.random.default_rng(0)
+    assert demo.systematic_resample(np.array([0.0, 1.0, 0.0]), rng) == [1, 1, 1]
+    assert demo.systematic_resample(np.full(5, 0.2), rng) == [0, 1, 2, 3, 4]
+    weights = np.array([0.5, 0.3, 0.15, 0.05])
+    for _ in range(20):
+        counts = np.bincount(demo.systematic_resample(weights, rng), minlength=4)
+        expected = 4 * weights
+        assert np.all(counts >= np.floor(expected)) and np.all(counts <= np.ceil(expected))
+
+
+def test_charset_and_regex_constraints() -> None:
+    cs = demo.CharSetConstraint("ab ", VOCAB, EOS, special_ids=[0, 1])
+    assert cs.mask(b"").nonzero().flatten().tolist() == [1, 2, 3, 4, 5]  # EOS + a, b, " ", ab
+    rc = demo.RegexConstraint("ab+", VOCAB, EOS, special_ids=[0, 1])
+    assert rc.mask(b"").nonzero().flatten().tolist() == [2, 5]  # "a", "ab"
+    assert rc.mask(b"a").nonzero().flatten().tolist() == [3]
+    assert rc.mask(b"ab").nonzero().flatten().tolist() == [1, 3]  # EOS once it fully matches
+    both = demo.AllOf([cs, rc])
+    assert both.mask(b"ab").nonzero().flatten().tolist() == [1, 3]
+
+
+def test_parse_engine_opts() -> None:
+    opts = demo.parse_engine_opts(
+        [
+            "max_model_len=256",
+            "enforce_eager=true",
+            "gpu_memory_utilization=0.5",
+            "dtype=bfloat16",
+            "seed=none",
+        ]
+    )
+    assert opts == {
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.5,
+        "dtype": "bfloat16",
+        "seed": None,
+    }
+    with pytest.raises(ValueError):
+        demo.parse_engine_opts(["novalue"])
+
+
+# ------------------------------------------------------------------------ SMC with a fake model
+class FakeLM:
+    """A next-token distribution given by ``probs`` (a dict, or a function of the generated ids);
+    counts awaits and checks that every context starts with the prompt."""
+
+    def __init__(
+        self, probs: dict[int, float] | Callable[[list[int]], dict[int, float]], prompt: list[int]
+    ) -> None:
+        self.probs = probs
+        self.prompt = prompt
+        self.calls = 0
+
+    async def __call__(self, ids: list[int]) -> torch.Tensor:
+        assert ids[: len(self.prompt)] == self.prompt
+        self.calls += 1
+        await asyncio.sleep(0)
+        probs = self.probs(ids[len(self.prompt) :]) if callable(self.probs) else self.probs
+        return _row(probs)
+
+
+def _run(fake: FakeLM, constraint: demo.Constraint, **kw: object) -> demo.SMCResult:
+    return asyncio.run(demo.run_smc(fake, fake.prompt, constraint, VOCAB, EOS, **kw))  # type: ignore[arg-type]
+
+
+def test_smc_exact_weights_without_eos() -> None:
+    # p(a)=p(b)=0.3, p(".")=0.4; allowed mass is 0.6 at every step for every particle.
+    fake = FakeLM({2: 0.3, 3: 0.3, 6: 0.4}, prompt=[0])
+    cs = demo.CharSetConstraint("ab", VOCAB, EOS, special_ids=[0, 1])
+    res = _run(fake, cs, n_particles=16, max_tokens=5, rng=np.random.default_rng(1))
+    assert res.log_evidence == pytest.approx(5 * math.log(0.6), abs=1e-5)
+    assert res.resamples == 0 and res.steps == 5
+    assert res.awaits == fake.calls == 16 * 5
+    for p in res.particles:
+        assert len(p.token_ids) == 5 and set(p.text) <= set(b"ab")
+        assert p.log_weight == pytest.approx(5 * math.log(0.6), abs=1e-5)
+
+
+def test_smc_evidence_with_eos_is_unbiased() -> None:
+    # Each step: EOS 0.1, allowed 0.5, forbidden 0.4. P(constraint holds over T tokens or until EOS):
+    T = 4
+    exact = sum(0.5**k * 0.1 for k in range(T)) + 0.5**T
+    fake = FakeLM({1: 0.1, 2: 0.25, 4: 0.25, 6: 0.4}, prompt=[0, 2])
+    cs = demo.CharSetConstraint("a ", VOCAB, EOS, special_ids=[0, 1])
+    estimates = []
+    for seed in range(8):
+        res = _run(fake, cs, n_particles=200, max_tokens=T, rng=np.random.default_rng(seed))
+        estimates.append(math.exp(res.log_evidence))
+        for p in res.particles:
+            assert set(p.text) <= set(b"a ") and len(p.token_ids) <= T
+            assert p.finished or len(p.token_ids) == T
+    assert np.mean(estimates) == pytest.approx(exact, rel=0.05)
+
+
+def test_smc_resamples_away_from_dead_ends() -> None:
+    # After "b" the model almost surely says "." (forbidden): those particles lose their weight,
+    # the ESS collapses and resampling replaces them with "a" particles.
+    def probs(generated: list[int]) -> dict[int, float]:
+        if generated and generated[-1] == 3:
+            return {6: 0.99, 2: 0.01}
+        return {2: 0.3, 3: 0.6, 6: 0.1}
+
+    fake = FakeLM(probs, prompt=[0])
+    cs = demo.CharSetConstraint("ab", VOCAB, EOS, special_ids=[0, 1])
+    estimates = []
+    for seed in range(10):
+        res = _run(fake, cs, n_particles=64, max_tokens=2, rng=np.random.default_rng(seed))
+        assert res.resamples == 1
+        assert sum(p.text == b"ba" for p in res.particles) <= 6  # ~2% of them in expectation
+        estimates.append(math.exp(res.log_evidence))
+    assert np.mean(estimates) == pytest.approx(0.3 * 0.9 + 0.6 * 0.01, rel=0.05)
+
+
+def test_smc_dead_particles() -> None:
+    fake = FakeLM({6: 1.0}, prompt=[0])  # only "." has probability: nothing allowed survives
+    cs = demo.CharSetConstraint("ab", VOCAB, EOS, special_ids=[0, 1])
+    res = _run(fake, cs, n_particles=4, max_tokens=3, rng=np.random.default_rng(0))
+    assert res.log_evidence == -math.inf
+    assert all(p.finished and not p.token_ids for p in res.particles)
+
+
+# ------------------------------------------------------------------------------ the real thing
+def test_shipped_model_files() -> None:
+    path = pathlib.Path(demo.default_model_path())
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "TRAINING.md",
+    ):
+        assert (path / name).is_file(), name
+    total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    assert total < 5_000_000
+    config = json.loads((path / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] >= 64
+    assert config.get("dtype", config.get("torch_dtype")) in ("float16", "bfloat16")
+
+
+_PARTICLE = re.compile(
+    r'^  (?P<w>\d\.\d{4})  x(?P<n>\d+)\s+(?P<prompt>".*?") \+ (?P<text>".*")(?P<eos>  <eos>)?$'
+)
+
+
+def _parse(output: str) -> tuple[list[tuple[float, int, str, bool]], dict[str, int]]:
+    particles = []
+    for line in output.splitlines():
+        m = _PARTICLE.match(line)
+        if m:
+            particles.append((float(m["w"]), int(m["n"]), json.loads(m["text"]), bool(m["eos"])))
+    stats = {
+        key: int(m.group(1))
+        for key, pattern in (
+            ("awaits", r"awaits \(next_token_logprobs calls\):\s+(\d+)"),
+            ("engine_calls", r"engine calls:\s+(\d+)"),
+        )
+        if (m := re.search(pattern, output))
+    }
+    return particles, stats
+
+
+def _check(
+    output: str, allowed: str, n_particles: int, max_tokens: int
+) -> list[tuple[float, int, str, bool]]:
+    particles, stats = _parse(output)
+    assert particles, output
+    assert sum(n for _, n, _, _ in particles) == n_particles
+    assert sum(w for w, _, _, _ in particles) == pytest.approx(1.0, abs=1e-3 * len(particles))
+    for _, _, text, _ in particles:
+        assert set(text) <= set(allowed), text
+    assert stats["engine_calls"] <= max_tokens
+    assert stats["engine_calls"] < stats["awaits"], stats
+    assert "estimated log P(constraint)" in output
+    return particles
+
+
+def test_demo_command_on_shipped_model() -> None:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "genlm_vlm",
+        "demo",
+        "--particles",
+        "8",
+        "--max-tokens",
+        "6",
+        "--no-progress",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check(proc.stdout, demo.DEFAULT_ALLOWED_CHARS, 8, 6)
+    assert "shipped demo model" in proc.stdout
+
+
+def test_demo_main_in_process_with_options(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "--particles",
+        "6",
+        "--max-tokens",
+        "5",
+        "--seed",
+        "3",
+        "--no-progress",
+        "--prompt",
+        "this function",
+        "--allowed-chars",
+        "etaoinshrdlu ",
+        "--regex",
+        "[a-z ]*",
+        "--engine-opt",
+        "max_model_len=256",
+        "--engine-opt",
+        "kv_cache_memory_bytes=134217728",
+    ]
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    _check(out, "etaoinshrdlu ", 6, 5)
+    prompts = [json.loads(m["prompt"]) for line in out.splitlines() if (m := _PARTICLE.match(line))]
+    assert prompts and set(prompts) == {"this function"}
