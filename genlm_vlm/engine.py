@@ -346,12 +346,12 @@ class EngineDriver:
                 f"seeing their logits (first index {missing[0]}); is another logits processor "
                 "or speculative decoding interfering?"
             )
-        # Compact rows: a captured row is a view of its whole apply() batch, which would stay
-        # alive (uncounted by the cache's byte budget) as long as any row of it is cached.
+        # CPU rows are compact tensors already. Rows moved off the accelerator come back in one
+        # transfer and are views of that [N, V] host tensor (it is freed with its last row).
         device = self.output_device
         if device is not None and rows[0].device != device:  # type: ignore[union-attr]
-            return [r.clone() for r in torch.stack(rows).to(device)]  # type: ignore[arg-type]
-        return [r.clone() for r in rows]  # type: ignore[union-attr]
+            return list(torch.stack(rows).to(device).unbind(0))  # type: ignore[arg-type]
+        return rows  # type: ignore[return-value]
 
     def generate(self, inputs: Sequence[Any], params: Sequence[Any], lora_requests: Sequence[Any] | None = None) -> list[Any]:
         """Plain ``LLM.generate`` (used for sampling). Runs on the engine thread."""
