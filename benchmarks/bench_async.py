@@ -1,0 +1,714 @@
+#!/usr/bin/env python
+"""Throughput benchmark: ``AsyncVirtualLM`` against raw vLLM and transformers.
+
+Two workloads, each at several particle/batch counts N, on identical prompts for every system:
+
+* ``smc``: N particles share one prompt and each extends it by one token per step for T steps
+  (tokens sampled from the returned rows with a seeded ``torch.Generator``, so particles
+  diverge). Our run records the per-step prompts; the other systems replay them.
+* ``unique``: ``--rounds`` rounds of N distinct random prompts of mixed lengths.
+
+Systems:
+
+* ``ours``: ``AsyncVirtualLM``; N coroutines ``await lm.next_token_logprobs(ids)`` per
+  step/round under ``asyncio.gather`` (the output cache is cleared before every repetition).
+* ``ceiling``: plain ``vllm.LLM.generate`` with ``SamplingParams(max_tokens=1,
+  temperature=0, detokenize=False)`` and no logprobs: the cost of the engine alone.
+* ``logprobs``: the same plain ``LLM`` with ``SamplingParams(..., logprobs=-1)``, its
+  per-prompt ``{token_id: Logprob}`` dict converted to a dense ``[V]`` tensor.
+* ``hf``: transformers float32 batched forward (left padding + attention mask), last-position
+  ``log_softmax``.
+
+The baselines get each round's distinct prompts once (our batcher dedupes identical awaits the
+same way; it matters at SMC step 0, where all particles share the prompt); every system is
+credited with all N rows of a round. vLLM's prefix caches are reset before every repetition
+(``--keep-prefix-cache`` to keep them), so the repetitions do the same work as the warm-up.
+Each system gets one warm-up repetition, then ``--reps`` timed repetitions (interleaved
+across systems, to spread machine noise evenly); the median is reported. Results go to
+``<out>/<tag>.json`` and ``<out>/<tag>.png``. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+_HERE = pathlib.Path(__file__).resolve().parent
+if str(_HERE.parent) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+
+#: Engine options for both vLLM engines (genlm_vlm's defaults are added on top, see
+#: ``genlm_vlm.engine``): float32 like the HF baseline, a small KV cache.
+ENGINE_OPTS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "kv_cache_memory_bytes": 256 << 20,
+    "seed": 0,
+}
+
+SYSTEMS = ("ours", "ceiling", "logprobs", "hf")
+WORKLOADS = ("smc", "unique")
+
+#: Targets (checked at N >= TARGET_MIN_N): ours / ceiling and ours / logprobs=-1.
+TARGET_VS_CEILING = 0.85
+TARGET_VS_LOGPROBS = 5.0
+TARGET_MIN_N = 64
+
+log = logging.getLogger("bench_async")
+
+
+# --------------------------------------------------------------------------- prompts
+@dataclass
+class Workload:
+    """One (workload, N) cell: ``rounds[t]`` is the list of prompts of step/round ``t``."""
+
+    name: str
+    n: int
+    rounds: list[list[list[int]]] = field(default_factory=list)
+    shared_prompt: list[int] | None = None  # smc only: the particles' common start
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
+    def unique_rounds(self) -> list[list[list[int]]]:
+        """Per round, its distinct prompts (first-seen order): what the engine has to compute."""
+        out = []
+        for prompts in self.rounds:
+            seen: dict[tuple[int, ...], None] = {}
+            for p in prompts:
+                seen.setdefault(tuple(p), None)
+            out.append([list(k) for k in seen])
+        return out
+
+
+def _random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    from genlm_vlm.testing import random_prompts
+
+    return random_prompts(n, vocab, min_len=lo, max_len=hi, seed=seed)
+
+
+def unique_workload(n: int, rounds: int, vocab: int, lo: int, hi: int, seed: int) -> Workload:
+    prompts = _random_prompts(n * rounds, vocab, lo, hi, seed=seed * 1_000_003 + n)
+    return Workload("unique", n, [prompts[i * n : (i + 1) * n] for i in range(rounds)])
+
+
+# --------------------------------------------------------------------------- timing helpers
+@dataclass
+class Measurement:
+    """One repetition of one system on one cell."""
+
+    round_times: dict[int, float]  # round index -> seconds inside the system's calls
+    rows: float  # rows delivered (rounds x N; prorated for a truncated logprobs round)
+    latencies: list[float]  # per row: seconds from request to result
+    engine_prompts: int  # prompts the engine actually computed
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.round_times.values())
+
+    @property
+    def calls(self) -> int:
+        return len(self.round_times)
+
+
+def _reset_prefix_cache(llm: Any, call: Callable[..., Any] | None = None) -> None:
+    fn = llm.reset_prefix_cache
+    ok = call(fn) if call is not None else fn()
+    if ok is False:
+        log.warning("vLLM refused to reset its prefix cache")
+
+
+@dataclass
+class PlanItem:
+    """One engine call of a baseline: the distinct prompts of round ``index`` (or a prefix)."""
+
+    index: int
+    prompts: list[list[int]]
+    rows: float  # rows of the workload this call stands for
+
+
+Plan = list[PlanItem]
+
+
+def make_plan(cell: Workload, max_rows: float | None = None) -> Plan:
+    """What a baseline computes: per round, its distinct prompts (in-round duplicates are
+    computed once, as our batcher does), each round one call.
+
+    With ``max_rows`` (the slow logprobs=-1 baseline) only the first rounds are kept, until
+    they stand for ``max_rows`` rows; the last round may be cut to a prefix of its distinct
+    prompts (its row count is then prorated). SMC's round 0, where all particles share one
+    prompt, is skipped then, so a short plan is not dominated by that one-prompt round.
+    """
+    urounds = cell.unique_rounds()
+    plan: Plan = []
+    start = 1 if max_rows is not None and cell.name == "smc" and len(urounds) > 1 else 0
+    rows = 0.0
+    for i in range(start, len(urounds)):
+        u, full = urounds[i], len(cell.rounds[i])
+        take = u
+        if max_rows is not None:
+            need = max_rows - rows
+            k = max(1, min(len(u), int(-(-need * len(u) // full))))  # ceil(need * u / full)
+            take = u[:k]
+        plan.append(PlanItem(i, take, full * len(take) / len(u)))
+        rows += plan[-1].rows
+        if max_rows is not None and rows >= max_rows:
+            break
+    return plan
+
+
+def _run_plan(call: Callable[[list[list[int]]], Any], plan: Plan) -> Measurement:
+    times: dict[int, float] = {}
+    lats: list[float] = []
+    for item in plan:
+        t0 = time.perf_counter()
+        call(item.prompts)
+        dt = time.perf_counter() - t0
+        times[item.index] = dt
+        lats.extend([dt] * round(item.rows))  # every row of a call waits for the whole call
+    return Measurement(times, sum(i.rows for i in plan), lats, sum(len(i.prompts) for i in plan))
+
+
+# --------------------------------------------------------------------------- ours
+async def _timed_await(lm: Any, ids: list[int]) -> tuple[torch.Tensor, float]:
+    t0 = time.perf_counter()
+    row = await lm.next_token_logprobs(ids)
+    return row, time.perf_counter() - t0
+
+
+async def _ours_rounds(lm: Any, rounds: Sequence[Sequence[list[int]]]) -> Measurement:
+    times: dict[int, float] = {}
+    lats: list[float] = []
+    for i, prompts in enumerate(rounds):
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(_timed_await(lm, p) for p in prompts))
+        times[i] = time.perf_counter() - t0
+        lats.extend(lat for _, lat in res)
+    return Measurement(times, sum(len(r) for r in rounds), lats, -1)
+
+
+async def _ours_smc(
+    lm: Any, prompt: list[int], n: int, steps: int, seed: int
+) -> tuple[Measurement, list[list[list[int]]]]:
+    """Run the SMC loop; returns the measurement and the prompts of every step."""
+    gen = torch.Generator().manual_seed(seed)
+    particles = [list(prompt) for _ in range(n)]
+    record: list[list[list[int]]] = []
+    times: dict[int, float] = {}
+    lats: list[float] = []
+    for step in range(steps):
+        record.append([list(p) for p in particles])
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(_timed_await(lm, p) for p in particles))
+        times[step] = time.perf_counter() - t0
+        lats.extend(lat for _, lat in res)
+        rows = torch.stack([row for row, _ in res])
+        tokens = torch.multinomial(rows.exp(), 1, generator=gen).squeeze(1).tolist()
+        for p, tok in zip(particles, tokens, strict=True):
+            p.append(int(tok))
+    return Measurement(times, n * steps, lats, -1), record
+
+
+class Ours:
+    name = "ours"
+
+    def __init__(self, lm: Any, loop: asyncio.AbstractEventLoop, reset_prefix: bool):
+        self.lm = lm
+        self.loop = loop
+        self.reset_prefix = reset_prefix
+
+    def _prepare(self) -> int:
+        self.lm.clear_cache()  # never serve a repetition from the previous one's rows
+        if self.reset_prefix:
+            _reset_prefix_cache(self.lm.llm, self.lm._driver.call)
+        return self.lm.stats["engine_requests"]
+
+    def run_smc(self, cell: Workload, steps: int, seed: int) -> tuple[Measurement, list]:
+        before = self._prepare()
+        m, record = self.loop.run_until_complete(
+            _ours_smc(self.lm, cell.shared_prompt, cell.n, steps, seed)
+        )
+        m.engine_prompts = self.lm.stats["engine_requests"] - before
+        return m, record
+
+    def run(self, cell: Workload) -> Measurement:
+        before = self._prepare()
+        m = self.loop.run_until_complete(_ours_rounds(self.lm, cell.rounds))
+        m.engine_prompts = self.lm.stats["engine_requests"] - before
+        return m
+
+
+# --------------------------------------------------------------------------- plain vLLM
+def build_plain_llm(model: str, engine_opts: dict[str, Any]) -> Any:
+    """A ``vllm.LLM`` with genlm_vlm's engine defaults but no capture; ``max_logprobs=-1``.
+
+    ``max_logprobs`` only bounds what requests may ask for (vLLM validates it, nothing else),
+    so the same engine serves the ceiling (no logprobs) and the logprobs=-1 baseline.
+    """
+    from vllm import LLM
+
+    from genlm_vlm.engine import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS, is_cpu_platform
+
+    opts = dict(DEFAULT_ENGINE_OPTS)
+    if is_cpu_platform():
+        opts.update(CPU_ENGINE_OPTS)
+    opts.update(engine_opts)
+    opts["max_logprobs"] = -1
+    return LLM(model=model, **opts)
+
+
+def dense_from_logprobs(d: dict[int, Any], vocab: int) -> torch.Tensor:
+    """vLLM's ``{token_id: Logprob}`` of one position as a dense float32 ``[vocab]`` row."""
+    row = torch.full((vocab,), float("-inf"), dtype=torch.float32)
+    ids = torch.tensor(list(d.keys()), dtype=torch.long)
+    vals = torch.tensor([lp.logprob for lp in d.values()], dtype=torch.float32)
+    row[ids] = vals
+    return row
+
+
+class PlainVLLM:
+    """``LLM.generate`` with ``max_tokens=1``: without logprobs (ceiling) or with logprobs=-1."""
+
+    def __init__(self, llm: Any, vocab: int, *, logprobs: bool, reset_prefix: bool):
+        from vllm import SamplingParams
+
+        self.name = "logprobs" if logprobs else "ceiling"
+        self.llm = llm
+        self.vocab = vocab
+        self.logprobs = logprobs
+        self.reset_prefix = reset_prefix
+        kw: dict[str, Any] = {"logprobs": -1} if logprobs else {}
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **kw)
+
+    def call(self, prompts: Sequence[list[int]]) -> list[torch.Tensor] | None:
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            self.params,
+            use_tqdm=False,
+        )
+        if not self.logprobs:
+            return None
+        return [dense_from_logprobs(o.outputs[0].logprobs[0], self.vocab) for o in outs]
+
+    def run(self, plan: Plan) -> Measurement:
+        if self.reset_prefix:
+            _reset_prefix_cache(self.llm)
+        return _run_plan(self.call, plan)
+
+
+# --------------------------------------------------------------------------- transformers
+class HF:
+    """transformers float32 batched forward: left padding, attention mask, last position."""
+
+    name = "hf"
+
+    def __init__(self, model_path: str, pad_id: int, max_batch: int = 256):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True)
+        self.model = self.model.to(torch.float32).eval()
+        self.pad_id = pad_id
+        self.max_batch = max_batch
+        self._keep = True  # pass logits_to_keep=1 (only the last position's logits)
+
+    @torch.inference_mode()
+    def call(self, prompts: Sequence[list[int]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for i in range(0, len(prompts), self.max_batch):
+            chunk = prompts[i : i + self.max_batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for j, p in enumerate(chunk):
+                ids[j, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[j, width - len(p) :] = 1
+            pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+            kw: dict[str, Any] = {"logits_to_keep": 1} if self._keep else {}
+            try:
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **kw).logits
+            except TypeError:  # a model without logits_to_keep
+                self._keep = False
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            out.extend(torch.log_softmax(logits[:, -1].float(), dim=-1).unbind(0))
+        return out
+
+    def run(self, plan: Plan) -> Measurement:
+        return _run_plan(self.call, plan)
+
+
+# --------------------------------------------------------------------------- driver
+#: Defaults of the sized options: the full run, and ``--quick`` (a smoke configuration).
+#: Options given on the command line win over both.
+FULL = {"n": [16, 64, 256], "steps": 16, "rounds": 4, "reps": 3, "prompt_len": 64,
+        "min_len": 8, "max_len": 128, "logprobs_rows": 128.0}
+QUICK = {"n": [4, 16], "steps": 2, "rounds": 2, "reps": 1, "prompt_len": 16,
+         "min_len": 4, "max_len": 32, "logprobs_rows": 8.0}
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-32k",
+                   help="a model directory, or a tiny model kind of genlm_vlm.testing "
+                        "(built locally; default: llama-32k)")
+
+    def sized(flag: str, help: str, **kw: Any) -> None:
+        key = flag[2:].replace("-", "_")
+        p.add_argument(flag, default=None, help=f"{help} (default {FULL[key]}; --quick {QUICK[key]})", **kw)
+
+    sized("--n", "particle / batch counts N", type=int, nargs="+")
+    sized("--steps", "T: SMC steps", type=int)
+    sized("--rounds", "rounds of N distinct prompts in the unique workload", type=int)
+    sized("--reps", "timed repetitions after one warm-up (median reported)", type=int)
+    sized("--prompt-len", "length of the shared SMC prompt", type=int)
+    sized("--min-len", "shortest unique prompt", type=int)
+    sized("--max-len", "longest unique prompt", type=int)
+    sized("--logprobs-rows", "rows the slow logprobs=-1 baseline is timed on per repetition "
+          "(its first rounds; ours is compared on the same rounds)", type=float)
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-opts", type=json.loads, default=None,
+                   help="JSON dict merged over the engine options of both vLLM engines")
+    p.add_argument("--batch-size", type=int, default=256, help="AsyncVirtualLM batch_size")
+    p.add_argument("--keep-prefix-cache", action="store_true",
+                   help="do not reset vLLM's prefix caches before each repetition")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--no-logprobs-baseline", action="store_true",
+                   help="skip the logprobs=-1 baseline")
+    p.add_argument("--quick", action="store_true", help="small smoke configuration (~1 min)")
+    p.add_argument("--out", default=str(_HERE / "results"),
+                   help="output directory (default: benchmarks/results)")
+    p.add_argument("--tag", default="bench_async", help="file name stem of the outputs")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.n) < 1 or min(args.steps, args.rounds, args.reps) < 1:
+        p.error("--n, --steps, --rounds and --reps must be >= 1")
+    if not 1 <= args.min_len <= args.max_len:
+        p.error("need 1 <= --min-len <= --max-len")
+    return args
+
+
+def _resolve_model(name: str) -> str:
+    from genlm_vlm.testing import TINY_KINDS, tiny_model_path
+
+    if name in TINY_KINDS:
+        return str(tiny_model_path(name))
+    return name
+
+
+def _environment() -> dict[str, Any]:
+    import transformers
+
+    from genlm_vlm.engine import vllm_version
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm_version(),
+        "transformers": transformers.__version__,
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _fmt_rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def _verdict(ratio: float | None, target: float, n: int) -> str:
+    if ratio is None:
+        return "-"
+    if n < TARGET_MIN_N:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2f}x {'PASS' if ratio >= target else 'MISS'}"
+
+
+def _table(results: list[dict], ratios: list[dict]) -> str:
+    by = {(r["workload"], r["n"], r["system"]): r for r in results}
+    head = (
+        f"{'workload':<8} {'N':>4} {'ours rows/s':>12} {'ours lat ms':>11} {'ceiling':>10} "
+        f"{'lp=-1':>9} {'hf':>9}   {'ours/ceiling':<16} {'(best)':<7} {'ours/lp=-1':<16} "
+        f"{'ours/hf':<9}"
+    )
+    lines = [head, "-" * len(head)]
+    for ra in ratios:
+        w, n = ra["workload"], ra["n"]
+
+        def rate(s: str, w: str = w, n: int = n) -> float | None:
+            r = by.get((w, n, s))
+            return None if r is None else r["rows_per_s"]
+
+        ours = by[(w, n, "ours")]
+        lines.append(
+            f"{w:<8} {n:>4} {_fmt_rate(ours['rows_per_s']):>12} {ours['mean_latency_ms']:>11.2f} "
+            f"{_fmt_rate(rate('ceiling')):>10} {_fmt_rate(rate('logprobs')):>9} "
+            f"{_fmt_rate(rate('hf')):>9}   "
+            f"{_verdict(ra['ours_over_ceiling'], TARGET_VS_CEILING, n):<16} "
+            f"{'-' if ra['ours_over_ceiling_best'] is None else format(ra['ours_over_ceiling_best'], '.2f') + 'x':<7} "
+            f"{_verdict(ra['ours_over_logprobs'], TARGET_VS_LOGPROBS, n):<16} "
+            f"{'-' if ra['ours_over_hf'] is None else format(ra['ours_over_hf'], '.2f') + 'x':<9}"
+        )
+    lines.append(
+        f"targets at N >= {TARGET_MIN_N}: ours/ceiling >= {TARGET_VS_CEILING}, "
+        f"ours/lp=-1 >= {TARGET_VS_LOGPROBS}. rows/s and ratios: medians over repetitions; "
+        "(best): ratio of the fastest repetitions"
+    )
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict], ratios: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in results)]
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
+    labels = {"ours": "ours (AsyncVirtualLM)", "ceiling": "vLLM generate (ceiling)",
+              "logprobs": "vLLM logprobs=-1", "hf": "HF transformers"}
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 5), squeeze=False)
+    by = {(r["workload"], r["n"], r["system"]): r["rows_per_s"] for r in results}
+    width = 0.8 / max(1, len(systems))
+    for ax, w in zip(axes[0], workloads, strict=True):
+        ns = sorted({r["n"] for r in results if r["workload"] == w})
+        for k, s in enumerate(systems):
+            xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ns))]
+            ys = [by.get((w, n, s), 0.0) for n in ns]
+            ax.bar(xs, ys, width, label=labels[s])
+        ax.set_xticks(range(len(ns)), [str(n) for n in ns])
+        ax.set_xlabel("N (concurrent requests per step)")
+        ax.set_ylabel("rows / s (log scale)")
+        ax.set_yscale("log")
+        ax.set_title(f"workload: {w}")
+        ax.grid(axis="y", which="both", alpha=0.3)
+        top = max((v for (w2, _, _), v in by.items() if w2 == w), default=1.0)
+        ax.set_ylim(top=top * 3)
+        for i, n in enumerate(ns):
+            ra = next((r for r in ratios if r["workload"] == w and r["n"] == n), None)
+            if ra and ra["ours_over_ceiling"] is not None:
+                group = max(by.get((w, n, s), 0.0) for s in systems)
+                ax.annotate(f"ours/ceiling\n{ra['ours_over_ceiling']:.2f}x", (i, group),
+                            ha="center", va="bottom", fontsize=8, xytext=(0, 4),
+                            textcoords="offset points")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(systems), fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """Largest |a - b| over entries finite in both (logprobs=-1 rows may hold -inf)."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        ok = torch.isfinite(x) & torch.isfinite(y)
+        worst = max(worst, float((x[ok] - y[ok]).abs().max()))
+    return worst
+
+
+def _rate(rows: float, times: Sequence[float], agg: Callable[[Sequence[float]], float]) -> float:
+    t = agg(times)
+    return rows / t if t > 0 else float("inf")
+
+
+def measure_cell(
+    cell: Workload, ours: Ours, baselines: Sequence[Any], args: argparse.Namespace, check: bool
+) -> tuple[list[dict], dict, dict | None]:
+    """Warm-up + ``args.reps`` interleaved repetitions of every system on one cell."""
+    wname, n = cell.name, cell.n
+    per_system: dict[str, list[Measurement]] = {s.name: [] for s in (ours, *baselines)}
+    plans: dict[str, Plan] | None = None
+    for rep in range(args.reps + 1):  # rep 0 is the warm-up
+        if wname == "smc":
+            m, record = ours.run_smc(cell, args.steps, seed=args.seed + n)
+            if rep == 0:
+                cell.rounds = record  # every baseline replays the warm-up's step prompts
+        else:
+            m = ours.run(cell)
+        if rep > 0:
+            per_system["ours"].append(m)
+        if plans is None:
+            plans = {
+                b.name: make_plan(cell, args.logprobs_rows if b.name == "logprobs" else None)
+                for b in baselines
+            }
+        for b in baselines:
+            plan = plans[b.name]
+            if rep == 0 and b.name == "logprobs":  # a short warm-up for the slow path
+                plan = [PlanItem(plan[0].index, plan[0].prompts[:8], 0.0)]
+            gc.collect()
+            mb = b.run(plan)
+            if rep > 0:
+                per_system[b.name].append(mb)
+        log.info("%s N=%d rep %d/%d done%s", wname, n, rep, args.reps,
+                 " (warm-up)" if rep == 0 else "")
+
+    results: dict[str, dict] = {}
+    for sname, ms in per_system.items():
+        times = [m.seconds for m in ms]
+        lats = [x for m in ms for x in m.latencies]
+        results[sname] = {
+            "workload": wname, "n": n, "system": sname, "rows": ms[-1].rows,
+            "engine_prompts": ms[-1].engine_prompts, "calls": ms[-1].calls,
+            "rounds": sorted(ms[-1].round_times), "times_s": times,
+            "median_s": statistics.median(times),
+            "rows_per_s": _rate(ms[-1].rows, times, statistics.median),
+            "best_rows_per_s": _rate(ms[-1].rows, times, min),
+            "mean_latency_ms": 1e3 * statistics.fmean(lats),
+        }
+
+    def ratio(sname: str, best: bool = False) -> float | None:
+        """ours / ``sname`` in rows/s (median or best repetition of each), with ours timed on
+        the rounds ``sname`` ran."""
+        if sname not in results:
+            return None
+        agg = min if best else statistics.median
+        rounds = results[sname]["rounds"]
+        ours_times = [sum(m.round_times[i] for i in rounds) for m in per_system["ours"]]
+        ours_rate = _rate(sum(len(cell.rounds[i]) for i in rounds), ours_times, agg)
+        theirs = [m.seconds for m in per_system[sname]]
+        return ours_rate / _rate(per_system[sname][-1].rows, theirs, agg)
+
+    rc, rl = ratio("ceiling"), ratio("logprobs")
+    ra = {
+        "workload": wname, "n": n,
+        "ours_over_ceiling": rc, "ours_over_logprobs": rl, "ours_over_hf": ratio("hf"),
+        "ours_over_ceiling_best": ratio("ceiling", True),
+        "ours_over_logprobs_best": ratio("logprobs", True),
+        "ours_over_hf_best": ratio("hf", True),
+        "ceiling_target": TARGET_VS_CEILING, "logprobs_target": TARGET_VS_LOGPROBS,
+        "ceiling_pass": None if rc is None or n < TARGET_MIN_N else rc >= TARGET_VS_CEILING,
+        "logprobs_pass": None if rl is None or n < TARGET_MIN_N else rl >= TARGET_VS_LOGPROBS,
+    }
+    chk: dict[str, Any] | None = None
+    if check:  # do the systems agree? (a few prompts of one round, through the sync path)
+        probe = cell.unique_rounds()[min(1, len(cell.rounds) - 1)][:8]
+        ref = list(ours.lm.batch_next_token_logprobs_sync(probe))
+        chk = {"workload": wname, "n": n, "prompts": len(probe)}
+        for b in baselines:
+            if b.name != "ceiling":
+                chk[f"max_abs_diff_ours_vs_{b.name}"] = _max_diff(ref, b.call(probe))
+    return list(results.values()), ra, chk
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    wall0 = time.perf_counter()
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from genlm_vlm import AsyncVirtualLM
+
+    model = _resolve_model(args.model)
+    engine_opts = {**ENGINE_OPTS, **(args.engine_opts or {})}
+    reset_prefix = not args.keep_prefix_cache
+    log.info("model %s, engine options %s", model, engine_opts)
+
+    t0 = time.perf_counter()
+    lm = AsyncVirtualLM.from_name(model, dict(engine_opts), batch_size=args.batch_size)
+    log.info("built AsyncVirtualLM in %.1fs (vocab %d, runner %s)",
+             time.perf_counter() - t0, lm.vocab_size, lm.engine_info.runner)
+    vocab = lm.vocab_size
+    t0 = time.perf_counter()
+    plain_llm = build_plain_llm(model, engine_opts)
+    log.info("built plain vllm.LLM in %.1fs", time.perf_counter() - t0)
+    hf = None
+    if not args.no_hf:
+        pad = lm.tokenizer.pad_token_id
+        hf = HF(model, 0 if pad is None else int(pad))
+
+    env = _environment()
+    loop = asyncio.new_event_loop()
+    ours = Ours(lm, loop, reset_prefix)
+    baselines: list[Any] = [PlainVLLM(plain_llm, vocab, logprobs=False, reset_prefix=reset_prefix)]
+    if not args.no_logprobs_baseline:
+        baselines.append(PlainVLLM(plain_llm, vocab, logprobs=True, reset_prefix=reset_prefix))
+    if hf is not None:
+        baselines.append(hf)
+
+    results: list[dict] = []
+    ratios: list[dict] = []
+    checks: list[dict] = []
+    try:
+        for wname in args.workloads:
+            for n in args.n:
+                if wname == "smc":
+                    cell = Workload("smc", n, shared_prompt=_random_prompts(
+                        1, vocab, args.prompt_len, args.prompt_len, seed=args.seed * 7919 + n)[0])
+                else:
+                    cell = unique_workload(n, args.rounds, vocab, args.min_len, args.max_len, args.seed)
+                res, ra, chk = measure_cell(
+                    cell, ours, baselines, args, check=(n == min(args.n))
+                )
+                results.extend(res)
+                ratios.append(ra)
+                if chk:
+                    checks.append(chk)
+    finally:
+        loop.close()
+        lm.cleanup()
+        try:
+            plain_llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+    table = _table(results, ratios)
+    env["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    config = {
+        "model": model, "model_arg": args.model, "vocab_size": vocab, "n": args.n,
+        "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "prompt_len": args.prompt_len,
+        "unique_len": [args.min_len, args.max_len], "workloads": args.workloads,
+        "seed": args.seed, "engine_opts": engine_opts, "batch_size": args.batch_size,
+        "reset_prefix_cache": reset_prefix, "quick": args.quick,
+        "systems": ["ours", *[b.name for b in baselines]],
+        "baselines_dedupe_within_step": True, "logprobs_rows": args.logprobs_rows,
+    }
+    doc = {
+        "config": config, "environment": env, "results": results, "ratios": ratios,
+        "checks": checks, "table": table, "wall_s": time.perf_counter() - wall0,
+    }
+    json_path = out_dir / f"{args.tag}.json"
+    png_path = out_dir / f"{args.tag}.png"
+    json_path.write_text(json.dumps(doc, indent=2))
+    _plot(results, ratios, png_path,
+          f"genlm_vlm bench_async: {pathlib.Path(model).name}, V={vocab}, smc T={args.steps}, "
+          f"unique {args.rounds} rounds, median of {args.reps}")
+    print()
+    print(table)
+    for c in checks:
+        print("check:", ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in c.items()))
+    print(f"wrote {json_path} and {png_path} ({doc['wall_s']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
