@@ -90,3 +90,51 @@ def fresh_lm(model_paths):
 
 def max_abs_diff(rows, refs) -> float:
     return max(float((r - q).abs().max()) for r, q in zip(rows, refs, strict=True))
+
+
+class HeldEngine:
+    """Holds the engine thread inside the first logprob call until :meth:`release`.
+
+    ``sizes`` records the number of prompts of every call; ``await held.wait_entered()`` returns
+    once the first call is blocked on the engine thread (no sleeps involved).
+    """
+
+    def __init__(self, lm) -> None:
+        import threading
+
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.sizes: list[int] = []
+        driver = lm._driver
+        real = driver.logprobs
+
+        def held(prompts, loras=None):
+            self.sizes.append(len(prompts))
+            if len(self.sizes) == 1:
+                self.entered.set()
+                self.gate.wait(timeout=60)
+            return real(prompts, loras)
+
+        driver.logprobs = held
+
+    async def wait_entered(self) -> None:
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(None, self.entered.wait, 60)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def fail_first_capture(lm, message: str) -> None:
+    """Make the capture raise ``RuntimeError(message)`` inside the next engine step only."""
+    sink = lm._driver.sink
+    real_store = sink.store
+    state = {"n": 0}
+
+    def exploding(tags, logits, rows):
+        state["n"] += 1
+        if state["n"] == 1:
+            raise RuntimeError(message)
+        return real_store(tags, logits, rows)
+
+    sink.store = exploding

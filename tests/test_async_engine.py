@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import threading
 
 import pytest
 import torch
-from conftest import ENGINE_OPTS, TIGHT_OPTS, _engine
+from conftest import ENGINE_OPTS, TIGHT_OPTS, HeldEngine, _engine, fail_first_capture
 
 from genlm_vlm.testing import random_prompts
 
@@ -101,31 +100,17 @@ async def test_heartbeat_keeps_ticking_during_long_engine_call(model_paths):
 
 async def test_pipelining_new_queries_form_the_next_call(fresh_lm):
     lm = fresh_lm
-    driver = lm._driver
-    real = driver.logprobs
-    gate = threading.Event()
-    entered = threading.Event()
-    sizes = []
-
-    def held(prompts, loras=None):
-        sizes.append(len(prompts))
-        if len(sizes) == 1:
-            entered.set()
-            gate.wait(timeout=60)
-        return real(prompts, loras)
-
-    driver.logprobs = held
+    held = HeldEngine(lm)
     first = [asyncio.ensure_future(lm.next_token_logprobs([5, i])) for i in range(3, 8)]
-    loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, entered.wait, 60)
+    await held.wait_entered()
     # engine is busy with call 1: these accumulate (with an in-flight duplicate joined)
     second = [asyncio.ensure_future(lm.next_token_logprobs([6, i])) for i in range(3, 30)]
     dup = asyncio.ensure_future(lm.next_token_logprobs([5, 3]))
     for _ in range(5):
         await asyncio.sleep(0)
-    gate.set()
+    held.release()
     await asyncio.gather(*first, *second, dup)
-    assert sizes == [5, 27]
+    assert held.sizes == [5, 27]
     assert torch.equal(dup.result(), first[0].result())
 
 
@@ -155,17 +140,7 @@ async def test_engine_error_fails_only_that_call(fresh_lm):
 
 async def test_engine_failure_mid_generate_async(fresh_lm, model_paths):
     lm = fresh_lm
-    sink = lm._driver.sink
-    real_store = sink.store
-    state = {"n": 0}
-
-    def exploding(tags, logits, rows):
-        state["n"] += 1
-        if state["n"] == 1:
-            raise RuntimeError("boom mid-step")
-        return real_store(tags, logits, rows)
-
-    sink.store = exploding
+    fail_first_capture(lm, "boom mid-step")
     results = await asyncio.gather(*(lm.next_token_logprobs([5, i]) for i in range(3, 9)), return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results)
     from genlm_vlm.testing import hf_reference_logprobs
@@ -178,26 +153,15 @@ async def test_engine_failure_mid_generate_async(fresh_lm, model_paths):
 
 async def test_reset_async_queries_resolves_everything(fresh_lm):
     lm = fresh_lm
-    driver = lm._driver
-    real = driver.logprobs
-    gate = threading.Event()
-    entered = threading.Event()
-
-    def held(prompts, loras=None):
-        entered.set()
-        gate.wait(timeout=60)
-        return real(prompts, loras)
-
-    driver.logprobs = held
+    held = HeldEngine(lm)
     inflight = [asyncio.ensure_future(lm.next_token_logprobs([5, i])) for i in range(3, 6)]
-    await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+    await held.wait_entered()
     pending = [asyncio.ensure_future(lm.next_token_logprobs([6, i])) for i in range(3, 6)]
     await asyncio.sleep(0)
     lm.reset_async_queries()
     results = await asyncio.gather(*inflight, *pending, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
-    gate.set()
-    driver.logprobs = real
+    held.release()
     row = await lm.next_token_logprobs([5, 3])
     assert row.shape == (lm.vocab_size,)
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from conftest import max_abs_diff
+from conftest import fail_first_capture, max_abs_diff
 
 from genlm_vlm.testing import hf_reference_logprobs
 
@@ -95,20 +95,10 @@ def test_oom_below_min_chunk_reraises(llama_lm, monkeypatch):
         llama_lm.batch_next_token_logprobs_sync([[5, i] for i in range(3, 20)], chunk_size=16)
 
 
-def test_engine_failure_mid_generate_then_next_call_is_clean(fresh_lm, model_paths, monkeypatch):
+def test_engine_failure_mid_generate_then_next_call_is_clean(fresh_lm, model_paths):
     """A step that raises leaves requests in vLLM; they must not leak into the next call."""
     lm = fresh_lm
-    sink = lm._driver.sink
-    real_store = sink.store
-    state = {"n": 0}
-
-    def exploding(tags, logits, rows):
-        state["n"] += 1
-        if state["n"] == 1:
-            raise RuntimeError("boom in the sampler")
-        return real_store(tags, logits, rows)
-
-    monkeypatch.setattr(sink, "store", exploding)
+    fail_first_capture(lm, "boom in the sampler")
     with pytest.raises(RuntimeError, match="boom"):
         lm.batch_next_token_logprobs_sync([[5, 6, 7], [8, 9]])
     assert not lm._driver.llm.llm_engine.has_unfinished_requests()

@@ -9,7 +9,7 @@ import textwrap
 import threading
 
 import pytest
-from conftest import ENGINE_OPTS
+from conftest import ENGINE_OPTS, HeldEngine
 
 from genlm_vlm import AsyncVirtualLM, ClosedError
 
@@ -41,18 +41,9 @@ async def test_cleanup_idempotent_and_every_later_call_raises(model_paths):
 
 async def test_pending_awaiters_get_a_clear_error_on_cleanup(model_paths):
     lm = _build(model_paths)
-    driver = lm._driver
-    real = driver.logprobs
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(prompts, loras=None):
-        entered.set()
-        gate.wait(timeout=60)
-        return real(prompts, loras)
-
-    driver.logprobs = held
+    held = HeldEngine(lm)
     inflight = [asyncio.ensure_future(lm.next_token_logprobs([5, i])) for i in range(3, 6)]
-    await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+    await held.wait_entered()
     queued = [asyncio.ensure_future(lm.next_token_logprobs([6, i])) for i in range(3, 6)]
     await asyncio.sleep(0)
     # cleanup waits for the engine thread: release it from another thread once cleanup started
@@ -60,7 +51,7 @@ async def test_pending_awaiters_get_a_clear_error_on_cleanup(model_paths):
     closer.start()
     with pytest.raises(ClosedError):  # arriving during shutdown: rejected, not lost
         await lm.next_token_logprobs([7, 7])
-    gate.set()
+    held.release()
     await asyncio.get_running_loop().run_in_executor(None, closer.join, 60)
     results = await asyncio.gather(*inflight, *queued, return_exceptions=True)
     assert all(isinstance(r, ClosedError) for r in results), results
