@@ -24,7 +24,7 @@ import shutil
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,16 @@ def _training_corpus(max_chars: int) -> list[str]:
 
 
 def _train_tokenizer(arch: str, vocab_size: int, corpus_chars: int) -> Any:
-    """Train a byte-level BPE tokenizer; returns a ``PreTrainedTokenizerFast``."""
+    return train_byte_level_bpe(_training_corpus(corpus_chars), vocab_size, arch=arch)
+
+
+def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, *, arch: str = "llama") -> Any:
+    """Train a byte-level BPE tokenizer on ``corpus``; returns a ``PreTrainedTokenizerFast``.
+
+    Special tokens ``<s>``=0 (bos), ``</s>``=1 (eos), ``<pad>``=2; nothing is added when encoding.
+    ``arch="qwen2"`` uses Qwen2's own pre-tokenizer so transformers' ``Qwen2Tokenizer`` agrees.
+    Deterministic for a given corpus and ``tokenizers`` version.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -143,9 +152,10 @@ def _train_tokenizer(arch: str, vocab_size: int, corpus_chars: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_corpus(corpus_chars), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     for i, name in enumerate(_SPECIAL_TOKENS):
-        assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
+        if tok.token_to_id(name) != i:
+            raise RuntimeError(f"special token {name!r} got id {tok.token_to_id(name)}, expected {i}")
     special: dict[str, str] = dict(
         bos_token=_SPECIAL_TOKENS[_BOS_ID],
         eos_token=_SPECIAL_TOKENS[_EOS_ID],

@@ -37,7 +37,6 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "genlm_vlm" / "data" / "demo-model"
 
-SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 
 #: Directory names skipped when walking the stdlib (test suites are mostly code, not prose).
@@ -113,31 +112,9 @@ def build_corpus() -> list[str]:
 # ------------------------------------------------------------------------------------- tokenizer
 def train_tokenizer(corpus: list[str], vocab_size: int) -> Any:
     """Byte-level BPE with ``<s>``=0, ``</s>``=1, ``<pad>``=2; a ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from genlm_vlm.testing import train_byte_level_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    for i, name in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(name) != i:
-            raise RuntimeError(
-                f"special token {name!r} got id {tok.token_to_id(name)}, expected {i}"
-            )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        model_max_length=512,
-        bos_token=SPECIAL_TOKENS[BOS_ID],
-        eos_token=SPECIAL_TOKENS[EOS_ID],
-        pad_token=SPECIAL_TOKENS[PAD_ID],
-    )
+    return train_byte_level_bpe(corpus, vocab_size)
 
 
 def token_stream(tokenizer: Any, corpus: list[str]) -> torch.Tensor:
