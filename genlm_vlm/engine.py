@@ -453,17 +453,28 @@ class EngineDriver:
             raise RuntimeError(f"vLLM refused to load LoRA adapter {lora_request.lora_name!r}")
 
     def prefix_cache_stats(self) -> dict[str, int] | None:
-        """vLLM's prefix-cache counters (tokens queried / hit), or None when the engine keeps no
-        stats (pass ``disable_log_stats=False`` in ``engine_opts`` to enable). Engine thread."""
-        try:
-            metrics = self.llm.get_metrics()
-        except Exception:  # noqa: BLE001 - stats disabled: vLLM raises
+        """vLLM's prefix-cache counters: tokens ``queries`` and ``hits``.
+
+        None when the engine keeps no stats (pass ``disable_log_stats=False`` in ``engine_opts``)
+        or is shut down. The counters live in vLLM's in-memory Prometheus registry, which is
+        process-wide: with several engines in one process they are summed over all of them.
+        Reading them needs no engine thread, so this never waits for an engine call.
+        """
+        llm = self.llm
+        if llm is None:
             return None
-        out = {}
-        for m in metrics:
-            if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
-                out[m.name.removeprefix("vllm:prefix_cache_")] = int(getattr(m, "value", 0))
-        return out or None
+        try:
+            enabled = bool(llm.llm_engine.log_stats)
+        except AttributeError as e:
+            raise _layout_error(f"LLM.llm_engine.log_stats is missing ({e})") from e
+        if not enabled:
+            return None
+        out = {"queries": 0, "hits": 0}
+        for m in llm.get_metrics():
+            key = m.name.removeprefix("vllm:prefix_cache_")
+            if m.name.startswith("vllm:prefix_cache_") and key in out:
+                out[key] += int(getattr(m, "value", 0))
+        return out
 
     def remove_lora(self, int_id: int) -> None:
         """Drop an adapter from the engine's LoRA cache. Runs on the engine thread."""

@@ -464,7 +464,7 @@ class AsyncVirtualLM(AsyncLM):
             "sample": self._sample_batcher.stats,
             "cache": self.cache.stats(),
             "capture_apply_calls": self._driver.sink.apply_calls,
-            "prefix_cache": None if self._closed else self._driver.call(self._driver.prefix_cache_stats),
+            "prefix_cache": None if self._closed else self._driver.prefix_cache_stats(),
         }
 
     def cleanup(self) -> None:
