@@ -239,6 +239,7 @@ class Ours:
     def _prepare(self) -> int:
         self.lm.clear_cache()  # never serve a repetition from the previous one's rows
         if self.reset_prefix:
+            self.lm.release_sessions()
             _reset_prefix_cache(self.lm.llm, self.lm._driver.call)
         return self.lm.stats["engine_requests"]
 

@@ -13,7 +13,13 @@ Semantics (see :class:`AutoBatcher` for details):
   request pays no timer) or ``loop.call_later(timeout)`` (``timeout > 0``: wait
   for stragglers).  A batch also goes out immediately when ``batch_size``
   distinct pending entries have accumulated and the engine is idle.
-* **One call in flight.** At most one ``compute`` call is in flight per
+* **Streaming mode** (``start=`` instead of ``compute=``). ``start(requests)``
+  runs on the loop thread, hands the group to an engine that batches
+  continuously, and returns one ``concurrent.futures.Future`` per request.
+  Every flush dispatches at once (no call to wait for) and each entry resolves
+  when its own future does. When every waiter of an in-flight entry is gone,
+  its future is cancelled, which tells the engine to abort that work.
+* **One call in flight** (``compute=`` mode). At most one ``compute`` call is in flight per
   batcher. Requests arriving meanwhile accumulate and are dispatched as soon
   as the call finishes (pipelining), in chunks of at most ``batch_size``.
 * **Dedupe.** With ``dedupe=True`` identical keys pending together are computed
@@ -65,6 +71,7 @@ class _Entry:
     cache_key: Hashable | None  # key for the output cache (None = not cached)
     request: Any
     waiters: set[asyncio.Future] = field(default_factory=set)
+    handle: concurrent.futures.Future | None = None  # streaming mode: the engine's future
 
     def live(self) -> bool:
         """True if at least one waiter still wants the result."""
@@ -117,9 +124,10 @@ class AutoBatcher(Generic[R, V]):
 
     def __init__(
         self,
-        compute: Callable[[list[R]], Sequence[V | BaseException]],
+        compute: Callable[[list[R]], Sequence[V | BaseException]] | None = None,
         *,
-        executor: concurrent.futures.Executor | None,
+        start: Callable[[list[R]], Sequence[concurrent.futures.Future]] | None = None,
+        executor: concurrent.futures.Executor | None = None,
         batch_size: int = 256,
         timeout: float = 0.0,
         cache: OutputCache | None = None,
@@ -127,11 +135,15 @@ class AutoBatcher(Generic[R, V]):
         dedupe: bool = True,
         name: str = "batcher",
     ):
+        if (compute is None) == (start is None):
+            raise ValueError("pass exactly one of compute= (blocking) or start= (streaming)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0, got {timeout!r}")
         self._compute = compute
+        self._start = start
+        self.streaming = start is not None
         self._executor = executor
         self.batch_size = int(batch_size)
         self.timeout = float(timeout)
@@ -310,6 +322,11 @@ class AutoBatcher(Generic[R, V]):
         if self._pending.get(entry.key) is entry and not entry.live():
             del self._pending[entry.key]
             self._n_dropped_cancelled += 1
+        elif entry.handle is not None and self._inflight.get(entry.key) is entry and not entry.live():
+            # Streaming: nobody waits any more; cancelling the engine's future aborts the work.
+            del self._inflight[entry.key]
+            entry.handle.cancel()
+            self._n_dropped_cancelled += 1
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         old = self._loop
@@ -330,6 +347,8 @@ class AutoBatcher(Generic[R, V]):
 
     def _abandon_state(self) -> None:
         for entry in itertools.chain(self._pending.values(), self._inflight.values()):
+            if entry.handle is not None:
+                entry.handle.cancel()
             for f in entry.waiters:
                 if not f.done():
                     try:
@@ -345,6 +364,9 @@ class AutoBatcher(Generic[R, V]):
     # ------------------------------------------------------------- scheduling
     def _schedule(self) -> None:
         """Called after a new pending entry was added."""
+        if self.streaming and len(self._pending) >= self.batch_size:
+            self._dispatch()
+            return
         if self._call is not None:
             return  # dispatched when the running call completes
         if len(self._pending) >= self.batch_size:
@@ -371,6 +393,9 @@ class AutoBatcher(Generic[R, V]):
     def _dispatch(self) -> None:
         """Start a compute call with up to ``batch_size`` live pending entries (engine idle)."""
         self._cancel_flush()
+        if self.streaming:
+            self._dispatch_streaming()
+            return
         while self._pending and self._call is None:
             batch: list[_Entry] = []
             while self._pending and len(batch) < self.batch_size:
@@ -399,6 +424,65 @@ class AutoBatcher(Generic[R, V]):
                 self._inflight[e.key] = e
             self._call = call
             call.add_done_callback(functools.partial(self._on_done, self._generation, batch))
+
+    def _dispatch_streaming(self) -> None:
+        """Hand every live pending entry to ``start`` as one group; each resolves on its own."""
+        batch = [e for e in self._pending.values() if e.live()]
+        self._n_dropped_cancelled += len(self._pending) - len(batch)
+        self._pending.clear()
+        if not batch:
+            return
+        assert self._start is not None and self._loop is not None
+        try:
+            handles = list(self._start([e.request for e in batch]))
+            if len(handles) != len(batch):
+                raise RuntimeError(f"{self.name}: start returned {len(handles)} futures for {len(batch)} requests")
+        except BaseException as exc:  # e.g. the engine is shut down
+            self._n_failed_calls += 1
+            for e in batch:
+                self._resolve_exc(e, exc)
+            return
+        self._n_engine_calls += 1
+        self._n_items += len(batch)
+        self._batch_hist[len(batch)] += 1
+        self._max_batch = max(self._max_batch, len(batch))
+        loop, generation = self._loop, self._generation
+        for e, handle in zip(batch, handles, strict=True):
+            e.handle = handle
+            self._inflight[e.key] = e
+
+            def done(h: concurrent.futures.Future, e: _Entry = e) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._on_entry_done, generation, e, h)
+                except RuntimeError:  # the loop is closed: nobody is waiting any more
+                    pass
+
+            handle.add_done_callback(done)
+
+    def _on_entry_done(self, generation: int, entry: _Entry, handle: concurrent.futures.Future) -> None:
+        """Streaming: one entry's engine future finished (loop thread)."""
+        if self._inflight.get(entry.key) is entry:
+            del self._inflight[entry.key]
+        if generation != self._generation:
+            return
+        if handle.cancelled():
+            for f in entry.waiters:
+                f.cancel()
+            return
+        exc = handle.exception()
+        if exc is not None:
+            self._resolve_exc(entry, exc)
+            return
+        value = handle.result()
+        if self.cache is not None and entry.cache_key is not None:
+            try:
+                self.cache.put(entry.cache_key, value)
+            except Exception as cache_exc:  # noqa: BLE001
+                self._resolve_exc(entry, cache_exc)
+                return
+        for f in entry.waiters:
+            if not f.done():
+                f.set_result(value)
 
     def _on_done(self, generation: int, batch: list[_Entry], call: asyncio.Future) -> None:
         """Runs on the loop thread when a compute call finishes."""
@@ -493,6 +577,9 @@ class AutoBatcher(Generic[R, V]):
         self._pending.clear()
         self._inflight.clear()
         self._generation += 1
+        for entry in entries:
+            if entry.handle is not None:
+                entry.handle.cancel()  # streaming: abort the engine work nobody waits for
         for entry in entries:
             if exc is None:
                 for f in entry.waiters:

@@ -63,6 +63,8 @@ class _Spec:
     tokenizer_vocab: int  # BPE training target (including special tokens)
     corpus_chars: int  # how many characters of stdlib source to train on
     model_vocab: int | None = None  # logit width; None -> len(tokenizer)
+    hidden: int = 128
+    layers: int = 2
 
 
 _SPECS: dict[str, _Spec] = {
@@ -71,8 +73,12 @@ _SPECS: dict[str, _Spec] = {
     "llama-32k": _Spec(
         arch="llama", tokenizer_vocab=32768, corpus_chars=5_000_000, model_vocab=32768
     ),
+    # Benchmarks only (not in TINY_KINDS): a mid-size model, 6 layers, hidden 512 (~50M params).
+    "llama-32k-mid": _Spec(
+        arch="llama", tokenizer_vocab=32768, corpus_chars=5_000_000, model_vocab=32768, hidden=512, layers=6
+    ),
 }
-assert tuple(_SPECS) == TINY_KINDS
+assert set(TINY_KINDS) <= set(_SPECS)
 
 
 # ---------------------------------------------------------------------------
@@ -169,14 +175,15 @@ def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, *, arch: str = 
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=512, **special)
 
 
-def _make_config(arch: str, vocab_size: int) -> Any:
+def _make_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2) -> Any:
+    heads = hidden // 64  # head_dim 64: vLLM's CPU attention rejects tiny head dims
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,  # head_dim 64: vLLM's CPU attention rejects tiny head dims
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         initializer_range=_INIT_STD,
@@ -224,7 +231,7 @@ def _build(kind: str, out_dir: pathlib.Path) -> None:
     spec = _SPECS[kind]
     tokenizer = _train_tokenizer(spec.arch, spec.tokenizer_vocab, spec.corpus_chars)
     vocab_size = max(len(tokenizer), spec.model_vocab or 0)
-    config = _make_config(spec.arch, vocab_size)
+    config = _make_config(spec.arch, vocab_size, spec.hidden, spec.layers)
     # transformers' own init draws from the global RNG; keep the caller's state intact.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)

@@ -1,11 +1,12 @@
 """``AsyncVirtualLM``: full-vocabulary next-token log-probabilities from vLLM, sync and async.
 
-How a row is computed: every prompt becomes one vLLM request with ``max_tokens=1`` whose
-``SamplingParams.extra_args`` carry a unique tag; the capture logits processor stores
-``log_softmax`` of the raw logits of that request's last scheduled row (the step where its
-prefill finished). Async awaits are grouped by :class:`~genlm_vlm.batching.AutoBatcher` into one
-deduplicated ``generate`` per batch on the engine thread; sync calls go through the same
-:meth:`AsyncVirtualLM._compute_logprobs` function on the same thread.
+How a row is computed: every query becomes an engine request (or, when it extends an earlier
+query's tokens, a chunk of that query's streaming-input session) with ``max_tokens=1`` and a
+unique tag in ``SamplingParams.extra_args``; the capture logits processor stores
+``log_softmax`` of the raw logits of that request's last scheduled row. The engine thread
+(:class:`~genlm_vlm.engine.EngineDriver`) steps vLLM itself and resolves each query as soon as
+its request finishes. Async awaits reach it through :class:`~genlm_vlm.batching.AutoBatcher`
+(streaming mode: dedup, cache, cancellation); sync calls submit to the same loop and wait.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from .base import AsyncLM, TokenIds
 from .batching import AutoBatcher
 from .cache import OutputCache
-from .engine import EngineDriver, make_lora_request
+from .engine import EngineDriver, SampleSpec, make_lora_request, wait_all
 from .lora import Adapter, LoraRegistry
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,7 @@ class AsyncVirtualLM(AsyncLM):
         self._lora_requests: dict[int, Any] = {}
         self._closed = False
         self._logprob_batcher: AutoBatcher[_LogprobRequest, torch.Tensor] = AutoBatcher(
-            self._compute_logprobs,
-            executor=driver.executor,
+            start=self._start_logprobs,
             batch_size=batch_size,
             timeout=timeout,
             cache=self.cache,
@@ -103,8 +103,7 @@ class AsyncVirtualLM(AsyncLM):
             name="logprobs",
         )
         self._sample_batcher: AutoBatcher[_SampleRequest, list[int]] = AutoBatcher(
-            self._compute_samples,
-            executor=driver.executor,
+            start=self._start_samples,
             batch_size=batch_size,
             timeout=timeout,
             dedupe=False,
@@ -120,17 +119,29 @@ class AsyncVirtualLM(AsyncLM):
         engine_opts: dict[str, Any] | None = None,
         *,
         output_device: str | torch.device = "cpu",
+        sessions: bool = True,
+        max_sessions: int | None = None,
         **kwargs: Any,
     ) -> AsyncVirtualLM:
         """Build the vLLM engine for ``model_name`` (hub name or local path) and wrap it.
 
         ``engine_opts`` go to ``vllm.LLM`` unchanged (e.g. ``dtype``, ``max_model_len``,
         ``enable_lora``, ``max_num_batched_tokens``); genlm_vlm's defaults are prefix caching on
-        and, on the CPU build, ``enforce_eager=True``. Other keyword arguments go to
-        :class:`AsyncVirtualLM` (``batch_size``, ``timeout``, ``cache_size``, ``cache_opts``,
-        ``chunk_size``, ``min_chunk_size``).
+        and, on the CPU build, ``enforce_eager=True``, ``gpu_memory_utilization=0.3`` and
+        ``block_size=32``. ``sessions`` (default True) keeps each query's request alive so a
+        later query that extends it costs only its new tokens (vLLM >= 0.32; older versions use
+        plain requests, see ``engine_info.mode``). ``max_sessions`` caps idle sessions (default
+        vLLM's ``max_num_seqs``). Other keyword arguments go to :class:`AsyncVirtualLM`
+        (``batch_size``, ``timeout``, ``cache_size``, ``cache_opts``, ``chunk_size``,
+        ``min_chunk_size``).
         """
-        driver = EngineDriver(os.fspath(model_name), engine_opts, output_device=output_device)
+        driver = EngineDriver(
+            os.fspath(model_name),
+            engine_opts,
+            output_device=output_device,
+            sessions=sessions,
+            max_sessions=max_sessions,
+        )
         try:
             return cls(driver, **kwargs)
         except BaseException:
@@ -144,7 +155,8 @@ class AsyncVirtualLM(AsyncLM):
 
     @property
     def engine_info(self) -> Any:
-        """:class:`~genlm_vlm.engine.ModelInfo` (vocab size, max length, model runner)."""
+        """:class:`~genlm_vlm.engine.ModelInfo`: vocab size, max length, model runner, ``mode``
+        (``"sessions"`` or ``"requests"``), vLLM version, ``max_num_seqs``, ``block_size``."""
         return self._driver.info
 
     @property
@@ -204,44 +216,26 @@ class AsyncVirtualLM(AsyncLM):
     def _key(req: _LogprobRequest) -> tuple[int, tuple[int, ...]]:
         return (0 if req.adapter is None else req.adapter.int_id, req.ids)
 
-    # ------------------------------------------------------------------ engine thread work
-    def _lora_list(self, adapters: Sequence[Adapter | None]) -> list[Any] | None:
-        if all(a is None for a in adapters):
-            return None
-        return [None if a is None else self._lora_requests[a.int_id] for a in adapters]
+    # ------------------------------------------------------------------ engine submission
+    def _lora_of(self, adapter: Adapter | None) -> tuple[int, Any]:
+        if adapter is None:
+            return 0, None
+        return adapter.int_id, self._lora_requests[adapter.int_id]
 
-    def _compute_logprobs(self, reqs: list[_LogprobRequest]) -> list[torch.Tensor]:
-        """One tagged ``generate`` for ``reqs`` (runs on the engine thread)."""
-        return self._driver.logprobs([r.ids for r in reqs], self._lora_list([r.adapter for r in reqs]))
+    def _start_logprobs(self, reqs: list[_LogprobRequest]) -> list[Any]:
+        """Hand queries to the engine loop; one ``concurrent.futures.Future`` per query."""
+        return self._driver.submit_logprobs([(r.ids, *self._lora_of(r.adapter)) for r in reqs])
 
-    def _compute_samples(self, reqs: list[_SampleRequest]) -> list[list[int]]:
-        """One ``generate`` sampling every request (runs on the engine thread)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+    def _compute_rows(self, reqs: list[_LogprobRequest]) -> list[torch.Tensor]:
+        """Blocking rows for ``reqs``; an interrupt (Ctrl-C) aborts their requests."""
+        return wait_all(self._start_logprobs(reqs))
 
-        params = [
-            SamplingParams(
-                max_tokens=r.max_tokens,
-                temperature=r.temperature,
-                seed=r.seed,
-                stop_token_ids=list(r.eos),
-                ignore_eos=True,  # stop only on the caller's eos_token_ids
-                detokenize=False,
-            )
-            for r in reqs
-        ]
-        outs = self._driver.generate(
-            [TokensPrompt(prompt_token_ids=list(r.ids)) for r in reqs],
-            params,
-            self._lora_list([r.adapter for r in reqs]),
-        )
-        results: list[list[int]] = []
-        for r, out in zip(reqs, outs, strict=True):
-            toks = list(out.outputs[0].token_ids)
-            if toks and toks[-1] in r.eos:
-                toks.pop()
-            results.append(toks)
-        return results
+    def _start_samples(self, reqs: list[_SampleRequest]) -> list[Any]:
+        specs = []
+        for r in reqs:
+            key, lora = self._lora_of(r.adapter)
+            specs.append(SampleSpec(r.ids, r.max_tokens, r.eos, r.temperature, r.seed, key, lora))
+        return self._driver.submit_samples(specs)
 
     # ------------------------------------------------------------------ async API
     async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
@@ -276,8 +270,11 @@ class AsyncVirtualLM(AsyncLM):
         """Sample up to ``max_tokens`` tokens after the prompt with vLLM's sampler.
 
         Stops after any token of ``eos_token_ids`` (the model's own EOS is not special), which is
-        stripped from the result. ``temperature=0`` is greedy. A fixed ``seed`` reproduces the
-        same tokens. Concurrent calls share one engine call, so vLLM batches their decode steps.
+        stripped from the result. ``temperature=0`` is greedy. Without ``seed`` vLLM's sampler
+        draws the tokens; with a ``seed`` genlm_vlm draws them from the model's rows with
+        ``torch.Generator(seed)`` (one decode step per token through a session), so the same seed
+        gives the same tokens whatever else runs in the batch. Concurrent calls share engine
+        steps.
         """
         req = self._sample_request(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
         return await self._sample_batcher.submit(req)
@@ -372,7 +369,8 @@ class AsyncVirtualLM(AsyncLM):
             while len(out) < len(reqs):
                 chunk = reqs[len(out) : len(out) + size]
                 try:
-                    rows = self._driver.call(self._compute_logprobs, chunk)
+                    # An interrupt (Ctrl-C) cancels the chunk: its requests are aborted.
+                    rows = self._compute_rows(chunk)
                 except _OOM_ERRORS:
                     if size <= self.min_chunk_size:
                         raise
@@ -446,8 +444,20 @@ class AsyncVirtualLM(AsyncLM):
         return self.next_token_logprobs_sync(prefix_token_ids, lora_name=lora_name)
 
     def clear_cache(self) -> None:
-        """Drop every cached row (the engine's prefix cache is left alone)."""
+        """Drop every cached row and release every idle session (the engine's prefix cache is
+        left alone)."""
         self.cache.clear()
+        if not self._closed:
+            self._driver.release_sessions()
+
+    def release_sessions(self) -> int:
+        """Release every idle session and its KV blocks now; returns how many were released.
+
+        Full blocks stay in vLLM's prefix cache, so a later query over the same tokens is still
+        cheap. Sessions in use by a pending query are not touched.
+        """
+        self._check_open()
+        return self._driver.release_sessions()
 
     def reset_async_queries(self) -> None:
         """Cancel every pending and in-flight async query: their awaiters get ``CancelledError``."""
@@ -456,15 +466,31 @@ class AsyncVirtualLM(AsyncLM):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters: engine calls and requests, batch sizes, dedup joins, cache hits and size."""
+        """Counters.
+
+        ``engine_calls`` (groups of queries handed to the engine loop), ``engine_steps`` (vLLM
+        steps run), ``engine_requests`` (requests and session chunks
+        added), ``sessions`` (``opened``, ``continued``, ``forked``, ``evicted``, ``closed``,
+        ``live``, ``idle``), ``tokens`` (prompt tokens sent as new requests: ``prefill``; as
+        session chunks: ``session``; served from the prefix cache: ``cached``; scheduled by the
+        engine: ``scheduled``, None unless the engine was built with ``disable_log_stats=False``
+        and ``enable_logging_iteration_details=True``), ``logprobs``/``sample`` (batcher
+        counters), ``cache`` (output cache), ``capture_apply_calls``, ``prefix_cache`` (token
+        ``queries`` and ``hits``; None unless ``disable_log_stats=False``).
+        """
+        d = self._driver.stats()
         return {
-            "engine_calls": self._driver.engine_calls,
-            "engine_requests": self._driver.engine_requests,
+            "mode": d["mode"],
+            "engine_calls": d["engine_calls"],
+            "engine_steps": d["engine_steps"],
+            "engine_requests": d["engine_requests"],
+            "sessions": d["sessions"],
+            "tokens": d["tokens"],
             "logprobs": self._logprob_batcher.stats,
             "sample": self._sample_batcher.stats,
             "cache": self.cache.stats(),
             "capture_apply_calls": self._driver.sink.apply_calls,
-            "prefix_cache": None if self._closed else self._driver.prefix_cache_stats(),
+            "prefix_cache": dict(self._driver.prefix_cache) if self._driver.log_stats else None,
         }
 
     def cleanup(self) -> None:

@@ -93,10 +93,11 @@ def max_abs_diff(rows, refs) -> float:
 
 
 class HeldEngine:
-    """Holds the engine thread inside the first logprob call until :meth:`release`.
+    """Holds the engine thread (between two steps) from the first logprob group on, until
+    :meth:`release`.
 
-    ``sizes`` records the number of prompts of every call; ``await held.wait_entered()`` returns
-    once the first call is blocked on the engine thread (no sleeps involved).
+    ``sizes`` records the number of queries of every group handed to the engine;
+    ``await held.wait_entered()`` returns once the engine thread is blocked (no sleeps involved).
     """
 
     def __init__(self, lm) -> None:
@@ -105,16 +106,20 @@ class HeldEngine:
         self.gate, self.entered = threading.Event(), threading.Event()
         self.sizes: list[int] = []
         driver = lm._driver
-        real = driver.logprobs
+        real = driver.submit_logprobs
 
-        def held(prompts, loras=None):
-            self.sizes.append(len(prompts))
+        def hold() -> None:
+            self.entered.set()
+            self.gate.wait(timeout=60)
+
+        def submit(queries):
+            self.sizes.append(len(queries))
+            futures = real(queries)
             if len(self.sizes) == 1:
-                self.entered.set()
-                self.gate.wait(timeout=60)
-            return real(prompts, loras)
+                driver._post(("call", hold, (), {}, __import__("concurrent.futures").futures.Future()))
+            return futures
 
-        driver.logprobs = held
+        driver.submit_logprobs = submit
 
     async def wait_entered(self) -> None:
         import asyncio

@@ -117,19 +117,19 @@ async def test_pipelining_new_queries_form_the_next_call(fresh_lm):
 async def test_engine_error_fails_only_that_call(fresh_lm):
     lm = fresh_lm
     driver = lm._driver
-    real = driver.logprobs
+    real = driver.submit_logprobs
     poison = (9, 9, 9)
 
-    def faulty(prompts, loras=None):
-        if any(tuple(p) == poison for p in prompts):
+    def faulty(queries):
+        if any(tuple(q[0]) == poison for q in queries):
             raise RuntimeError("injected engine failure")
-        return real(prompts, loras)
+        return real(queries)
 
-    driver.logprobs = faulty
+    driver.submit_logprobs = faulty
     lm._logprob_batcher.batch_size = 4
-    good_before = [lm.next_token_logprobs([5, i]) for i in range(3, 7)]  # call 1
-    bad_batch = [lm.next_token_logprobs([7, i]) for i in range(3, 6)] + [lm.next_token_logprobs(list(poison))]  # call 2
-    good_after = [lm.next_token_logprobs([8, i]) for i in range(3, 7)]  # call 3
+    good_before = [lm.next_token_logprobs([5, i]) for i in range(3, 7)]  # group 1
+    bad_batch = [lm.next_token_logprobs([7, i]) for i in range(3, 6)] + [lm.next_token_logprobs(list(poison))]  # group 2
+    good_after = [lm.next_token_logprobs([8, i]) for i in range(3, 7)]  # group 3
     results = await asyncio.gather(*good_before, *bad_batch, *good_after, return_exceptions=True)
     assert all(isinstance(r, torch.Tensor) for r in results[:4] + results[8:])
     assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results[4:8])
@@ -171,10 +171,10 @@ async def test_cache_hits_skip_engine_and_are_private(llama_lm):
     lm.clear_cache()
     p = [5, 6, 7, 8, 9]
     a = await lm.next_token_logprobs(p)
-    calls = lm.stats["engine_calls"]
+    calls = lm.stats["engine_requests"]
     a.zero_()
     b = await lm.next_token_logprobs(p)
     c = lm.next_token_logprobs_sync(p)
-    assert lm.stats["engine_calls"] == calls
+    assert lm.stats["engine_requests"] == calls
     assert float(b.abs().max()) > 0 and torch.equal(b, c)
     assert lm.stats["logprobs"]["cache_hits"] >= 1

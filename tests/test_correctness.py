@@ -62,8 +62,8 @@ def test_duplicates_in_one_batch(tight_lm, arch, model_paths):
     rows = lm.batch_next_token_logprobs_sync(prompts)
     assert lm.stats["engine_requests"] - requests_before == len(base)  # computed once each
     assert max_abs_diff(rows, hf_reference_logprobs(model_paths[arch], prompts)) < TOL
-    # duplicates inside one engine call (bypassing dedup): tags keep them apart
-    raw = lm._driver.call(lm._driver.logprobs, [base[0], base[1], base[0], base[1]])
+    # duplicates inside one engine group (bypassing the batcher's dedup): joined in the engine
+    raw = lm._driver.logprobs([base[0], base[1], base[0], base[1]])
     refs = hf_reference_logprobs(model_paths[arch], [base[0], base[1], base[0], base[1]])
     assert max_abs_diff(raw, refs) < TOL
 

@@ -15,18 +15,6 @@ def test_layout_error_names_vllm_version_and_what_is_missing():
     assert vllm_version() in msg and "llm_engine" in msg
 
 
-def test_abort_unfinished_layout_error():
-    class FakeEngine:
-        def has_unfinished_requests(self):
-            return True
-
-    class FakeLLM:
-        llm_engine = FakeEngine()  # no output_processor
-
-    with pytest.raises(VLLMLayoutError, match="unfinished requests"):
-        engine.abort_unfinished(FakeLLM())
-
-
 def test_runner_prediction_follows_env(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert engine.predict_v2_runner() is True

@@ -65,17 +65,16 @@ async def test_bad_prompt_among_concurrent_awaits_fails_only_its_caller(llama_lm
 
 def test_oom_halves_the_chunk_and_retries(llama_lm, monkeypatch, model_paths):
     llama_lm.clear_cache()
-    driver = llama_lm._driver
-    real = driver.logprobs
+    real = llama_lm._compute_rows
     sizes = []
 
-    def flaky(prompts, loras=None):
-        sizes.append(len(prompts))
-        if len(prompts) > 5:
+    def flaky(reqs):
+        sizes.append(len(reqs))
+        if len(reqs) > 5:
             raise torch.OutOfMemoryError("fake OOM")
-        return real(prompts, loras)
+        return real(reqs)
 
-    monkeypatch.setattr(driver, "logprobs", flaky)
+    monkeypatch.setattr(llama_lm, "_compute_rows", flaky)
     prompts = [[5, i, i + 1] for i in range(3, 23)]
     rows = llama_lm.batch_next_token_logprobs_sync(prompts, chunk_size=16)
     assert sizes[:3] == [16, 8, 4] and set(sizes[2:]) == {4}
@@ -84,13 +83,12 @@ def test_oom_halves_the_chunk_and_retries(llama_lm, monkeypatch, model_paths):
 
 def test_oom_below_min_chunk_reraises(llama_lm, monkeypatch):
     llama_lm.clear_cache()
-    driver = llama_lm._driver
     monkeypatch.setattr(llama_lm, "min_chunk_size", 4)
 
-    def always(prompts, loras=None):
+    def always(reqs):
         raise torch.OutOfMemoryError("fake OOM")
 
-    monkeypatch.setattr(driver, "logprobs", always)
+    monkeypatch.setattr(llama_lm, "_compute_rows", always)
     with pytest.raises(torch.OutOfMemoryError):
         llama_lm.batch_next_token_logprobs_sync([[5, i] for i in range(3, 20)], chunk_size=16)
 
@@ -101,7 +99,7 @@ def test_engine_failure_mid_generate_then_next_call_is_clean(fresh_lm, model_pat
     fail_first_capture(lm, "boom in the sampler")
     with pytest.raises(RuntimeError, match="boom"):
         lm.batch_next_token_logprobs_sync([[5, 6, 7], [8, 9]])
-    assert not lm._driver.llm.llm_engine.has_unfinished_requests()
+    assert not lm._driver._by_rid and lm.stats["sessions"]["live"] == 0
     prompts = [[11, 12], [13, 14, 15]]
     rows = lm.batch_next_token_logprobs_sync(prompts)
     assert max_abs_diff(rows, hf_reference_logprobs(model_paths["llama"], prompts)) < 1e-4

