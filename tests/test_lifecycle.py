@@ -122,8 +122,12 @@ def test_warm_up_primes_prefix_cache(model_paths):
         prefix = [3 + i % 200 for i in range(300)]
         row = lm.warm_up(prefix)
         assert row.shape == (lm.vocab_size,)
-        before = lm.stats["prefix_cache"]
+        before, sessions_before = lm.stats["prefix_cache"], lm.stats["sessions"]
         lm.batch_next_token_logprobs_sync([prefix + [5], prefix + [6, 7]])
-        after = lm.stats["prefix_cache"]
-        # both extensions reuse the prefix's full KV blocks (128-token blocks on CPU)
-        assert after["hits"] - before["hits"] >= 2 * 256
+        after, sessions_after = lm.stats["prefix_cache"], lm.stats["sessions"]
+        # one extension continues the warm-up's session (no prefill at all); the other forks
+        # and reuses the prefix's full KV blocks from the prefix cache
+        assert sessions_after["continued"] - sessions_before["continued"] == 1
+        assert sessions_after["forked"] - sessions_before["forked"] == 1
+        block = lm.engine_info.block_size
+        assert after["hits"] - before["hits"] >= (len(prefix) // block) * block

@@ -128,3 +128,28 @@ async def test_sampling_under_an_adapter(lora_lm):
 def test_adapter_on_engine_without_lora_is_a_clear_error(llama_lm, adapters):
     with pytest.raises(ValueError, match="enable_lora"):
         llama_lm.add_new_lora(adapters["a"], "a")
+
+
+async def test_lora_sessions_interleaved_with_base_sessions(lora_lm, adapters, model_paths):
+    """SMC particles on the base model and on two adapters, stepping together: each particle
+    continues its own adapter's session, never another's."""
+    lm = lora_lm
+    lm.clear_cache()
+    rng = __import__("random").Random(23)
+    vocab = len(lm.tokenizer)
+    base = [rng.randrange(3, vocab) for _ in range(40)]
+    particles = [(name, base + [rng.randrange(3, vocab)]) for name in (None, "a", "b") for _ in range(3)]
+    seen: dict = {None: {}, "a": {}, "b": {}}
+    before = lm.stats["sessions"]["continued"]
+    for _ in range(5):
+        rows = await asyncio.gather(*(lm.next_token_logprobs(p, lora_name=n) for n, p in particles))
+        for (name, p), row in zip(particles, rows, strict=True):
+            seen[name][tuple(p)] = row
+        particles = [(n, p + [rng.randrange(3, vocab)]) for n, p in particles]
+    assert lm.stats["sessions"]["continued"] - before >= 4 * len(particles)
+    for name, rows in seen.items():
+        keys = list(rows)
+        ref = hf_reference_logprobs(
+            model_paths["llama"], [list(k) for k in keys], lora_path=None if name is None else adapters[name]
+        )
+        assert max_abs_diff([rows[k] for k in keys], ref) < 1e-4, name

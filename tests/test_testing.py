@@ -252,8 +252,9 @@ def test_reference_matches_full_forward(cache_root):
     full = torch.log_softmax(logits.float(), -1)
     # Prefixes of the prompt give the rows at earlier positions.
     rows = hf_reference_logprobs(path, [prompt[:10], prompt])
-    torch.testing.assert_close(rows[0], full[9], atol=1e-5, rtol=0)
-    torch.testing.assert_close(rows[1], full[-1], atol=1e-5, rtol=0)
+    # different sequence lengths take different kernels: float32 noise of ~1e-5 on logits ~10
+    torch.testing.assert_close(rows[0], full[9], atol=5e-5, rtol=0)
+    torch.testing.assert_close(rows[1], full[-1], atol=5e-5, rtol=0)
 
 
 def test_reference_rejects_empty_prompt(cache_root):
