@@ -182,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             rows = n * args.steps
             cell: dict[str, Any] = {"model": args.model, "n": n, "steps": args.steps, "prompt_len": args.prompt_len, "resample": resample}
             for name, lm in lms.items():
-                cell[name] = rows / timed(lambda lm=lm: (fresh(lm), loop.run_until_complete(run_ours(lm, prompt, n, moves))), args.reps)
+                cell[name] = rows / timed(lambda lm=lm: (fresh(lm), loop.run_until_complete(run_ours(lm, prompt, n, moves))), args.reps)  # noqa: B023 (called at once)
             if llm is not None and "generate1" in args.systems:
                 per_step = step_prompts(prompt, n, moves)
-                cell["generate1"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_generate1(llm, per_step)), args.reps)
+                cell["generate1"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_generate1(llm, per_step)), args.reps)  # noqa: B023
             if llm is not None and "decode" in args.systems:
-                cell["decode"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_decode(llm, prompt, n, args.steps, 0)), args.reps)
+                cell["decode"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_decode(llm, prompt, n, args.steps, 0)), args.reps)  # noqa: B023
             if hf is not None:
-                cell["hf"] = rows / timed(lambda: run_hf(hf, prompt, n, moves), args.reps)
+                cell["hf"] = rows / timed(lambda: run_hf(hf, prompt, n, moves), args.reps)  # noqa: B023
             if "ours" in cell:
                 for base in ("decode", "generate1", "ours_requests", "hf"):
                     if base in cell:
