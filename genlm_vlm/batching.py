@@ -412,18 +412,26 @@ class AutoBatcher(Generic[R, V]):
             try:
                 call = self._loop.run_in_executor(self._executor, self._compute, requests)
             except BaseException as exc:  # e.g. executor already shut down
-                self._n_failed_calls += 1
-                for e in batch:
-                    self._resolve_exc(e, exc)
+                self._fail_dispatch(batch, exc)
                 continue
-            self._n_engine_calls += 1
-            self._n_items += len(batch)
-            self._batch_hist[len(batch)] += 1
-            self._max_batch = max(self._max_batch, len(batch))
-            for e in batch:
-                self._inflight[e.key] = e
+            self._record_dispatch(batch)
             self._call = call
             call.add_done_callback(functools.partial(self._on_done, self._generation, batch))
+
+    def _fail_dispatch(self, batch: list[_Entry], exc: BaseException) -> None:
+        """The batch could not be handed over: its waiters get ``exc``."""
+        self._n_failed_calls += 1
+        for e in batch:
+            self._resolve_exc(e, exc)
+
+    def _record_dispatch(self, batch: list[_Entry]) -> None:
+        """Count a dispatched batch and mark its entries in flight."""
+        self._n_engine_calls += 1
+        self._n_items += len(batch)
+        self._batch_hist[len(batch)] += 1
+        self._max_batch = max(self._max_batch, len(batch))
+        for e in batch:
+            self._inflight[e.key] = e
 
     def _dispatch_streaming(self) -> None:
         """Hand every live pending entry to ``start`` as one group; each resolves on its own."""
@@ -438,18 +446,12 @@ class AutoBatcher(Generic[R, V]):
             if len(handles) != len(batch):
                 raise RuntimeError(f"{self.name}: start returned {len(handles)} futures for {len(batch)} requests")
         except BaseException as exc:  # e.g. the engine is shut down
-            self._n_failed_calls += 1
-            for e in batch:
-                self._resolve_exc(e, exc)
+            self._fail_dispatch(batch, exc)
             return
-        self._n_engine_calls += 1
-        self._n_items += len(batch)
-        self._batch_hist[len(batch)] += 1
-        self._max_batch = max(self._max_batch, len(batch))
+        self._record_dispatch(batch)
         loop, generation = self._loop, self._generation
         for e, handle in zip(batch, handles, strict=True):
             e.handle = handle
-            self._inflight[e.key] = e
 
             def done(h: concurrent.futures.Future, e: _Entry = e) -> None:
                 try:
@@ -473,16 +475,7 @@ class AutoBatcher(Generic[R, V]):
         if exc is not None:
             self._resolve_exc(entry, exc)
             return
-        value = handle.result()
-        if self.cache is not None and entry.cache_key is not None:
-            try:
-                self.cache.put(entry.cache_key, value)
-            except Exception as cache_exc:  # noqa: BLE001
-                self._resolve_exc(entry, cache_exc)
-                return
-        for f in entry.waiters:
-            if not f.done():
-                f.set_result(value)
+        self._set_value(entry, handle.result())
 
     def _on_done(self, generation: int, batch: list[_Entry], call: asyncio.Future) -> None:
         """Runs on the loop thread when a compute call finishes."""
@@ -536,15 +529,19 @@ class AutoBatcher(Generic[R, V]):
             if isinstance(value, BaseException):
                 self._resolve_exc(e, value)
                 continue
-            if self.cache is not None and e.cache_key is not None:
-                try:
-                    self.cache.put(e.cache_key, value)
-                except Exception as cache_exc:
-                    self._resolve_exc(e, cache_exc)
-                    continue
-            for f in e.waiters:
-                if not f.done():
-                    f.set_result(value)
+            self._set_value(e, value)
+
+    def _set_value(self, entry: _Entry, value: Any) -> None:
+        """Cache a computed value and hand it to the entry's waiters."""
+        if self.cache is not None and entry.cache_key is not None:
+            try:
+                self.cache.put(entry.cache_key, value)
+            except Exception as cache_exc:  # noqa: BLE001 - goes to this entry's waiters
+                self._resolve_exc(entry, cache_exc)
+                return
+        for f in entry.waiters:
+            if not f.done():
+                f.set_result(value)
 
     @staticmethod
     def _resolve_exc(entry: _Entry, exc: BaseException) -> None:

@@ -101,6 +101,7 @@ class HeldEngine:
     """
 
     def __init__(self, lm) -> None:
+        import concurrent.futures
         import threading
 
         self.gate, self.entered = threading.Event(), threading.Event()
@@ -116,7 +117,7 @@ class HeldEngine:
             self.sizes.append(len(queries))
             futures = real(queries)
             if len(self.sizes) == 1:
-                driver._post(("call", hold, (), {}, __import__("concurrent.futures").futures.Future()))
+                driver._post(("call", hold, (), {}, concurrent.futures.Future()))
             return futures
 
         driver.submit_logprobs = submit

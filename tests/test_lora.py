@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ async def test_lora_sessions_interleaved_with_base_sessions(lora_lm, adapters, m
     continues its own adapter's session, never another's."""
     lm = lora_lm
     lm.clear_cache()
-    rng = __import__("random").Random(23)
+    rng = random.Random(23)
     vocab = len(lm.tokenizer)
     base = [rng.randrange(3, vocab) for _ in range(40)]
     particles = [(name, base + [rng.randrange(3, vocab)]) for name in (None, "a", "b") for _ in range(3)]

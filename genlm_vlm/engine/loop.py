@@ -213,12 +213,7 @@ class EngineDriver:
         ``output_device`` (shared by identical queries: copy before mutating). Cancel a future to
         abandon its query (its request is aborted once no future of it is waiting).
         """
-        jobs = [_Job("logprobs", tuple(ids), adapter, lora, [cf.Future()]) for ids, adapter, lora in queries]
-        for job in jobs:
-            self._watch(job)
-        self._post(("jobs", jobs))
-        self.groups += 1
-        return [j.futures[0] for j in jobs]
+        return self._submit([_Job("logprobs", tuple(ids), adapter, lora, [cf.Future()]) for ids, adapter, lora in queries])
 
     def submit_samples(self, specs: Sequence[SampleSpec]) -> list[cf.Future]:
         """Queue sampling requests; each future resolves to a list of token ids.
@@ -234,6 +229,10 @@ class EngineDriver:
             if spec.seed is not None:
                 job.generator = torch.Generator().manual_seed(spec.seed)
             jobs.append(job)
+        return self._submit(jobs)
+
+    def _submit(self, jobs: list[_Job]) -> list[cf.Future]:
+        """Post ``jobs`` as one group; returns each job's future."""
         for job in jobs:
             self._watch(job)
         self._post(("jobs", jobs))
@@ -312,6 +311,7 @@ class EngineDriver:
                 ok, self.sessions_reason = False, "sessions=False"
             ok = ok and self._core.can_resume
             self.info = replace(info, mode="sessions" if ok else "requests")
+            logger.info("genlm_vlm engine mode: %s (%s)", self.info.mode, self.sessions_reason)
             self._max_num_seqs = max(1, info.max_num_seqs)
             cap = self._max_num_seqs if self._max_sessions_opt is None else self._max_sessions_opt
             self._max_idle = min(cap, self._max_num_seqs)
@@ -547,10 +547,8 @@ class EngineDriver:
             self._end_job(job, value=list(toks))
             return
         del self._by_rid[job.rid]  # type: ignore[arg-type]
-        if job.session is None:  # plain requests: one new request per token
-            self._start_rows(job, job.ids + tuple(job.out), {}, set())
-        else:
-            self._start_rows(job, job.session.tokens + (token,), {}, set())
+        # A session job sends the token as a chunk; a plain one, a new request per token.
+        self._start_rows(job, job.ids + tuple(job.out), {}, set())
 
     def _read_stats(self, stats: Any) -> None:
         if stats is None:
