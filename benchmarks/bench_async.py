@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Throughput benchmark: ``AsyncVirtualLM`` against raw vLLM and transformers.
 
-Two workloads, each at several particle/batch counts N, on identical prompts for every system:
+Three workloads, each at several particle/batch counts N, on identical prompts for every system:
 
 * ``smc``: N particles share one prompt and each extends it by one token per step for T steps
   (tokens sampled from the returned rows with a seeded ``torch.Generator``, so particles
   diverge). Our run records the per-step prompts; the other systems replay them.
+* ``smc_resample``: the same, and every ``--resample-every``-th step first resamples the
+  particles (ancestors drawn uniformly with the seeded generator: forks, drops, duplicates).
 * ``unique``: ``--rounds`` rounds of N distinct random prompts of mixed lengths.
 
 Systems:
@@ -16,6 +18,11 @@ Systems:
   temperature=0, detokenize=False)`` and no logprobs: the cost of the engine alone.
 * ``logprobs``: the same plain ``LLM`` with ``SamplingParams(..., logprobs=-1)``, its
   per-prompt ``{token_id: Logprob}`` dict converted to a dense ``[V]`` tensor.
+* ``decode`` (SMC workloads only): the same plain ``LLM`` decoding N x T tokens in one
+  ``generate(N prompts, max_tokens=T, ignore_eos=True)``: the least work vLLM does for T tokens
+  per particle (no rows returned, no resampling). Its rate is N x T / time.
+* ``requests`` (``--requests-baseline``): ``AsyncVirtualLM(sessions=False)``, every query a
+  fresh request (the design before streaming-input sessions).
 * ``hf``: transformers float32 batched forward (left padding + attention mask), last-position
   ``log_softmax``.
 
@@ -60,16 +67,19 @@ import torch  # noqa: E402
 ENGINE_OPTS: dict[str, Any] = {
     "dtype": "float32",
     "max_model_len": 512,
-    "kv_cache_memory_bytes": 256 << 20,
+    "kv_cache_memory_bytes": 1536 << 20,  # room for N=256 x 216 tokens of the mid model
     "seed": 0,
 }
 
-SYSTEMS = ("ours", "ceiling", "logprobs", "hf")
-WORKLOADS = ("smc", "unique")
+SYSTEMS = ("ours", "requests", "ceiling", "decode", "logprobs", "hf")
+WORKLOADS = ("smc", "smc_resample", "unique")
+SMC_WORKLOADS = ("smc", "smc_resample")
 
 #: Targets (checked at N >= TARGET_MIN_N): ours / ceiling and ours / logprobs=-1.
 TARGET_VS_CEILING = 0.85
 TARGET_VS_LOGPROBS = 5.0
+#: ours / decode ceiling, per SMC workload.
+TARGET_VS_DECODE = {"smc": 0.8, "smc_resample": 0.6}
 TARGET_MIN_N = 64
 
 log = logging.getLogger("bench_async")
@@ -160,7 +170,7 @@ def make_plan(cell: Workload, max_rows: float | None = None) -> Plan:
     """
     urounds = cell.unique_rounds()
     plan: Plan = []
-    start = 1 if max_rows is not None and cell.name == "smc" and len(urounds) > 1 else 0
+    start = 1 if max_rows is not None and cell.name in SMC_WORKLOADS and len(urounds) > 1 else 0
     rows = 0.0
     for i in range(start, len(urounds)):
         u, full = urounds[i], len(cell.rounds[i])
@@ -207,15 +217,20 @@ async def _ours_rounds(lm: Any, rounds: Sequence[Sequence[list[int]]]) -> Measur
 
 
 async def _ours_smc(
-    lm: Any, prompt: list[int], n: int, steps: int, seed: int
+    lm: Any, prompt: list[int], n: int, steps: int, seed: int, resample_every: int = 0
 ) -> tuple[Measurement, list[list[list[int]]]]:
-    """Run the SMC loop; returns the measurement and the prompts of every step."""
+    """Run the SMC loop; returns the measurement and the prompts of every step. With
+    ``resample_every`` = K > 0, every K-th step (after the first) first replaces the particles
+    by uniformly drawn ancestors."""
     gen = torch.Generator().manual_seed(seed)
     particles = [list(prompt) for _ in range(n)]
     record: list[list[list[int]]] = []
     times: dict[int, float] = {}
     lats: list[float] = []
     for step in range(steps):
+        if resample_every and step and step % resample_every == 0:
+            ancestors = torch.randint(n, (n,), generator=gen).tolist()
+            particles = [list(particles[a]) for a in ancestors]
         record.append([list(p) for p in particles])
         t0 = time.perf_counter()
         res = await asyncio.gather(*(_timed_await(lm, p) for p in particles))
@@ -229,9 +244,10 @@ async def _ours_smc(
 
 
 class Ours:
-    name = "ours"
+    """``AsyncVirtualLM`` (``name="requests"``: one built with ``sessions=False``)."""
 
-    def __init__(self, lm: Any, loop: asyncio.AbstractEventLoop, reset_prefix: bool):
+    def __init__(self, lm: Any, loop: asyncio.AbstractEventLoop, reset_prefix: bool, name: str = "ours"):
+        self.name = name
         self.lm = lm
         self.loop = loop
         self.reset_prefix = reset_prefix
@@ -243,10 +259,10 @@ class Ours:
             _reset_prefix_cache(self.lm.llm, self.lm._driver.call)
         return self.lm.stats["engine_requests"]
 
-    def run_smc(self, cell: Workload, steps: int, seed: int) -> tuple[Measurement, list]:
+    def run_smc(self, cell: Workload, steps: int, seed: int, resample_every: int = 0) -> tuple[Measurement, list]:
         before = self._prepare()
         m, record = self.loop.run_until_complete(
-            _ours_smc(self.lm, cell.shared_prompt, cell.n, steps, seed)
+            _ours_smc(self.lm, cell.shared_prompt, cell.n, steps, seed, resample_every)
         )
         m.engine_prompts = self.lm.stats["engine_requests"] - before
         return m, record
@@ -318,6 +334,35 @@ class PlainVLLM:
         return _run_plan(self.call, plan)
 
 
+class PlainDecode:
+    """vLLM decoding N x T tokens: ``generate(N prompts, max_tokens=T, ignore_eos=True)``.
+
+    The N prompts are the shared SMC prompt plus one distinct token each (so no two particles
+    share decode work); the prompt's full blocks come from the prefix cache as ours do.
+    """
+
+    name = "decode"
+
+    def __init__(self, llm: Any, reset_prefix: bool):
+        self.llm = llm
+        self.reset_prefix = reset_prefix
+
+    def run_cell(self, cell: Workload, steps: int) -> Measurement:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        assert cell.shared_prompt is not None
+        if self.reset_prefix:
+            _reset_prefix_cache(self.llm)
+        prompts = [TokensPrompt(prompt_token_ids=cell.shared_prompt + [3 + i % 997]) for i in range(cell.n)]
+        params = SamplingParams(max_tokens=steps, temperature=1.0, detokenize=False, ignore_eos=True)
+        t0 = time.perf_counter()
+        self.llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        # every step stands for N rows; spread the time evenly so ratios can use any rounds
+        return Measurement({i: dt / steps for i in range(steps)}, cell.n * steps, [dt] * cell.n, cell.n)
+
+
 # --------------------------------------------------------------------------- transformers
 class HF:
     """transformers float32 batched forward: left padding, attention mask, last position."""
@@ -361,17 +406,18 @@ class HF:
 # --------------------------------------------------------------------------- driver
 #: Defaults of the sized options: the full run, and ``--quick`` (a smoke configuration).
 #: Options given on the command line win over both.
-FULL = {"n": [16, 64, 256], "steps": 16, "rounds": 4, "reps": 3, "prompt_len": 64,
-        "min_len": 8, "max_len": 128, "logprobs_rows": 128.0}
+FULL = {"n": [16, 64, 256], "steps": 16, "rounds": 4, "reps": 3, "prompt_len": 200,
+        "min_len": 8, "max_len": 128, "logprobs_rows": 128.0, "resample_every": 4}
 QUICK = {"n": [4, 16], "steps": 2, "rounds": 2, "reps": 1, "prompt_len": 16,
-         "min_len": 4, "max_len": 32, "logprobs_rows": 8.0}
+         "min_len": 4, "max_len": 32, "logprobs_rows": 8.0, "resample_every": 1}
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-32k",
-                   help="a model directory, or a tiny model kind of genlm_vlm.testing "
-                        "(built locally; default: llama-32k)")
+                   help="a model directory, or a model kind of genlm_vlm.testing built locally "
+                        "(llama-32k: 2 layers, hidden 128; llama-32k-mid: 6 layers, hidden 512; "
+                        "default: llama-32k)")
 
     def sized(flag: str, help: str, **kw: Any) -> None:
         key = flag[2:].replace("-", "_")
@@ -382,6 +428,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sized("--rounds", "rounds of N distinct prompts in the unique workload", type=int)
     sized("--reps", "timed repetitions after one warm-up (median reported)", type=int)
     sized("--prompt-len", "length of the shared SMC prompt", type=int)
+    sized("--resample-every", "smc_resample: resample before every K-th step", type=int)
     sized("--min-len", "shortest unique prompt", type=int)
     sized("--max-len", "longest unique prompt", type=int)
     sized("--logprobs-rows", "rows the slow logprobs=-1 baseline is timed on per repetition "
@@ -394,6 +441,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-prefix-cache", action="store_true",
                    help="do not reset vLLM's prefix caches before each repetition")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--requests-baseline", action="store_true",
+                   help="also time AsyncVirtualLM(sessions=False) (a second engine)")
     p.add_argument("--no-logprobs-baseline", action="store_true",
                    help="skip the logprobs=-1 baseline")
     p.add_argument("--quick", action="store_true", help="small smoke configuration (~1 min)")
@@ -412,9 +461,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _resolve_model(name: str) -> str:
-    from genlm_vlm.testing import TINY_KINDS, tiny_model_path
+    from genlm_vlm.testing import _SPECS, tiny_model_path
 
-    if name in TINY_KINDS:
+    if name in _SPECS:  # tiny kinds and the benchmark-only llama-32k-mid
         return str(tiny_model_path(name))
     return name
 
@@ -449,14 +498,19 @@ def _verdict(ratio: float | None, target: float, n: int) -> str:
     return f"{ratio:.2f}x {'PASS' if ratio >= target else 'MISS'}"
 
 
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
 def _table(results: list[dict], ratios: list[dict]) -> str:
     by = {(r["workload"], r["n"], r["system"]): r for r in results}
     head = (
-        f"{'workload':<8} {'N':>4} {'ours rows/s':>12} {'ours lat ms':>11} {'ceiling':>10} "
-        f"{'lp=-1':>9} {'hf':>9}   {'ours/ceiling':<16} {'(best)':<7} {'ours/lp=-1':<16} "
-        f"{'ours/hf':<9}"
+        f"{'workload':<12} {'N':>4} {'ours':>7} {'lat ms':>7} {'ceiling':>8} {'decode':>8} "
+        f"{'lp=-1':>7} {'hf':>7} {'requests':>8}   {'ours/ceiling':<14} {'(best)':<6} "
+        f"{'ours/decode':<14} {'ours/lp=-1':<15} {'ours/hf':<8} {'ours/requests':<8}"
     )
-    lines = [head, "-" * len(head)]
+    lines = ["rates in rows/s (one row = one full-vocabulary next-token distribution); "
+             "lat ms = mean time from await to row", head, "-" * len(head)]
     for ra in ratios:
         w, n = ra["workload"], ra["n"]
 
@@ -465,18 +519,22 @@ def _table(results: list[dict], ratios: list[dict]) -> str:
             return None if r is None else r["rows_per_s"]
 
         ours = by[(w, n, "ours")]
+        td = ra.get("decode_target")
         lines.append(
-            f"{w:<8} {n:>4} {_fmt_rate(ours['rows_per_s']):>12} {ours['mean_latency_ms']:>11.2f} "
-            f"{_fmt_rate(rate('ceiling')):>10} {_fmt_rate(rate('logprobs')):>9} "
-            f"{_fmt_rate(rate('hf')):>9}   "
-            f"{_verdict(ra['ours_over_ceiling'], TARGET_VS_CEILING, n):<16} "
-            f"{'-' if ra['ours_over_ceiling_best'] is None else format(ra['ours_over_ceiling_best'], '.2f') + 'x':<7} "
-            f"{_verdict(ra['ours_over_logprobs'], TARGET_VS_LOGPROBS, n):<16} "
-            f"{'-' if ra['ours_over_hf'] is None else format(ra['ours_over_hf'], '.2f') + 'x':<9}"
+            f"{w:<12} {n:>4} {_fmt_rate(ours['rows_per_s']):>7} {ours['mean_latency_ms']:>7.1f} "
+            f"{_fmt_rate(rate('ceiling')):>8} {_fmt_rate(rate('decode')):>8} "
+            f"{_fmt_rate(rate('logprobs')):>7} {_fmt_rate(rate('hf')):>7} "
+            f"{_fmt_rate(rate('requests')):>8}   "
+            f"{_verdict(ra['ours_over_ceiling'], TARGET_VS_CEILING, n):<14} "
+            f"{_x(ra['ours_over_ceiling_best']):<6} "
+            f"{(_verdict(ra['ours_over_decode'], td, n) if td else '-'):<14} "
+            f"{_verdict(ra['ours_over_logprobs'], TARGET_VS_LOGPROBS, n):<15} "
+            f"{_x(ra['ours_over_hf']):<8} {_x(ra.get('ours_over_requests')):<8}"
         )
     lines.append(
-        f"targets at N >= {TARGET_MIN_N}: ours/ceiling >= {TARGET_VS_CEILING}, "
-        f"ours/lp=-1 >= {TARGET_VS_LOGPROBS}. rows/s and ratios: medians over repetitions; "
+        f"targets at N >= {TARGET_MIN_N}: ours/ceiling >= {TARGET_VS_CEILING}, ours/decode >= "
+        + ", ".join(f"{v} ({k})" for k, v in TARGET_VS_DECODE.items())
+        + f", ours/lp=-1 >= {TARGET_VS_LOGPROBS}. rows/s and ratios: medians over repetitions; "
         "(best): ratio of the fastest repetitions"
     )
     return "\n".join(lines)
@@ -490,20 +548,28 @@ def _plot(results: list[dict], ratios: list[dict], path: pathlib.Path, title: st
 
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in results)]
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
-    labels = {"ours": "ours (AsyncVirtualLM)", "ceiling": "vLLM generate (ceiling)",
+    labels = {"ours": "ours (AsyncVirtualLM)", "requests": "ours, sessions=False",
+              "ceiling": "vLLM generate max_tokens=1 per step",
+              "decode": "vLLM decoding N x T tokens (decode ceiling)",
               "logprobs": "vLLM logprobs=-1", "hf": "HF transformers"}
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 5), squeeze=False)
     by = {(r["workload"], r["n"], r["system"]): r["rows_per_s"] for r in results}
+    spread = {  # (below, above) the median: the slowest and fastest repetitions
+        (r["workload"], r["n"], r["system"]): (
+            r["rows_per_s"] - r["rows"] / max(r["times_s"]), r["rows"] / min(r["times_s"]) - r["rows_per_s"]
+        ) for r in results if r["times_s"] and min(r["times_s"]) > 0
+    }
     width = 0.8 / max(1, len(systems))
     for ax, w in zip(axes[0], workloads, strict=True):
         ns = sorted({r["n"] for r in results if r["workload"] == w})
         for k, s in enumerate(systems):
             xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ns))]
             ys = [by.get((w, n, s), 0.0) for n in ns]
-            ax.bar(xs, ys, width, label=labels[s])
+            err = [[spread.get((w, n, s), (0.0, 0.0))[j] for n in ns] for j in (0, 1)]
+            ax.bar(xs, ys, width, label=labels[s], yerr=err, capsize=2, error_kw={"lw": 0.8})
         ax.set_xticks(range(len(ns)), [str(n) for n in ns])
-        ax.set_xlabel("N (concurrent requests per step)")
-        ax.set_ylabel("rows / s (log scale)")
+        ax.set_xlabel("N (particles / concurrent awaits per step)")
+        ax.set_ylabel("rows / s, log scale (row = one next-token distribution)")
         ax.set_yscale("log")
         ax.set_title(f"workload: {w}")
         ax.grid(axis="y", which="both", alpha=0.3)
@@ -511,15 +577,20 @@ def _plot(results: list[dict], ratios: list[dict], path: pathlib.Path, title: st
         ax.set_ylim(top=top * 3)
         for i, n in enumerate(ns):
             ra = next((r for r in ratios if r["workload"] == w and r["n"] == n), None)
-            if ra and ra["ours_over_ceiling"] is not None:
+            if ra is None:
+                continue
+            notes = [f"{label} {ra[key]:.2f}x" for key, label in (
+                ("ours_over_ceiling", "ours/ceiling"), ("ours_over_decode", "ours/decode"),
+                ("ours_over_hf", "ours/hf")) if ra.get(key) is not None]
+            if notes:
                 group = max(by.get((w, n, s), 0.0) for s in systems)
-                ax.annotate(f"ours/ceiling\n{ra['ours_over_ceiling']:.2f}x", (i, group),
-                            ha="center", va="bottom", fontsize=8, xytext=(0, 4),
-                            textcoords="offset points")
+                ax.annotate("\n".join(notes), (i, group), ha="center", va="bottom", fontsize=7,
+                            xytext=(0, 4), textcoords="offset points")
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=len(systems), fontsize=9)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(title + "\nbars: median of repetitions; whiskers: slowest and fastest repetition",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -543,11 +614,14 @@ def measure_cell(
 ) -> tuple[list[dict], dict, dict | None]:
     """Warm-up + ``args.reps`` interleaved repetitions of every system on one cell."""
     wname, n = cell.name, cell.n
+    smc = wname in SMC_WORKLOADS
+    resample = args.resample_every if wname == "smc_resample" else 0
+    baselines = [b for b in baselines if smc or b.name != "decode"]
     per_system: dict[str, list[Measurement]] = {s.name: [] for s in (ours, *baselines)}
     plans: dict[str, Plan] | None = None
     for rep in range(args.reps + 1):  # rep 0 is the warm-up
-        if wname == "smc":
-            m, record = ours.run_smc(cell, args.steps, seed=args.seed + n)
+        if smc:
+            m, record = ours.run_smc(cell, args.steps, seed=args.seed + n, resample_every=resample)
             if rep == 0:
                 cell.rounds = record  # every baseline replays the warm-up's step prompts
         else:
@@ -560,6 +634,14 @@ def measure_cell(
                 for b in baselines
             }
         for b in baselines:
+            if isinstance(b, PlainDecode | Ours):
+                gc.collect()
+                mb = b.run_cell(cell, args.steps) if isinstance(b, PlainDecode) else (
+                    b.run_smc(cell, args.steps, seed=args.seed + n, resample_every=resample)[0]
+                    if smc else b.run(cell))
+                if rep > 0:
+                    per_system[b.name].append(mb)
+                continue
             plan = plans[b.name]
             if rep == 0 and b.name == "logprobs":  # a short warm-up for the slow path
                 plan = [PlanItem(plan[0].index, plan[0].prompts[:8], 0.0)]
@@ -596,10 +678,14 @@ def measure_cell(
         theirs = [m.seconds for m in per_system[sname]]
         return ours_rate / _rate(per_system[sname][-1].rows, theirs, agg)
 
-    rc, rl = ratio("ceiling"), ratio("logprobs")
+    rc, rl, rd = ratio("ceiling"), ratio("logprobs"), ratio("decode")
+    td = TARGET_VS_DECODE.get(wname)
     ra = {
         "workload": wname, "n": n,
         "ours_over_ceiling": rc, "ours_over_logprobs": rl, "ours_over_hf": ratio("hf"),
+        "ours_over_decode": rd, "ours_over_decode_best": ratio("decode", True),
+        "ours_over_requests": ratio("requests"), "decode_target": td,
+        "decode_pass": None if rd is None or td is None or n < TARGET_MIN_N else rd >= td,
         "ours_over_ceiling_best": ratio("ceiling", True),
         "ours_over_logprobs_best": ratio("logprobs", True),
         "ours_over_hf_best": ratio("hf", True),
@@ -613,7 +699,7 @@ def measure_cell(
         ref = list(ours.lm.batch_next_token_logprobs_sync(probe))
         chk = {"workload": wname, "n": n, "prompts": len(probe)}
         for b in baselines:
-            if b.name != "ceiling":
+            if b.name not in ("ceiling", "decode", "requests"):
                 chk[f"max_abs_diff_ours_vs_{b.name}"] = _max_diff(ref, b.call(probe))
     return list(results.values()), ra, chk
 
@@ -650,6 +736,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     loop = asyncio.new_event_loop()
     ours = Ours(lm, loop, reset_prefix)
     baselines: list[Any] = [PlainVLLM(plain_llm, vocab, logprobs=False, reset_prefix=reset_prefix)]
+    if any(w in SMC_WORKLOADS for w in args.workloads):
+        baselines.append(PlainDecode(plain_llm, reset_prefix))
+    lm_requests = None
+    if args.requests_baseline:
+        lm_requests = AsyncVirtualLM.from_name(model, dict(engine_opts), batch_size=args.batch_size, sessions=False)
+        baselines.append(Ours(lm_requests, loop, reset_prefix, name="requests"))
     if not args.no_logprobs_baseline:
         baselines.append(PlainVLLM(plain_llm, vocab, logprobs=True, reset_prefix=reset_prefix))
     if hf is not None:
@@ -661,8 +753,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for wname in args.workloads:
             for n in args.n:
-                if wname == "smc":
-                    cell = Workload("smc", n, shared_prompt=_random_prompts(
+                if wname in SMC_WORKLOADS:
+                    cell = Workload(wname, n, shared_prompt=_random_prompts(
                         1, vocab, args.prompt_len, args.prompt_len, seed=args.seed * 7919 + n)[0])
                 else:
                     cell = unique_workload(n, args.rounds, vocab, args.min_len, args.max_len, args.seed)
@@ -676,6 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         loop.close()
         lm.cleanup()
+        if lm_requests is not None:
+            lm_requests.cleanup()
         try:
             plain_llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort at exit
@@ -686,6 +780,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {
         "model": model, "model_arg": args.model, "vocab_size": vocab, "n": args.n,
         "steps": args.steps, "rounds": args.rounds, "reps": args.reps, "prompt_len": args.prompt_len,
+        "resample_every": args.resample_every,
         "unique_len": [args.min_len, args.max_len], "workloads": args.workloads,
         "seed": args.seed, "engine_opts": engine_opts, "batch_size": args.batch_size,
         "reset_prefix_cache": reset_prefix, "quick": args.quick,

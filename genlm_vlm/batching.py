@@ -90,6 +90,50 @@ class _Unique:
         return f"<unique #{self.n}>"
 
 
+class _Mailbox:
+    """Carries engine-thread completions to one event loop, one loop callback per burst.
+
+    An engine step that finishes 256 requests posts 256 items but wakes the loop once (each
+    ``call_soon_threadsafe`` writes to the loop's self-pipe); the loop then handles them in
+    order. A closed loop drops the items: nobody can be waiting on it any more.
+    """
+
+    __slots__ = ("handler", "items", "lock", "loop", "scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, handler: Callable[..., None]) -> None:
+        self.loop = loop
+        self.handler = handler
+        self.lock = threading.Lock()
+        self.items: list[tuple[Any, ...]] = []
+        self.scheduled = False
+
+    def post(self, *item: Any) -> None:
+        """Queue ``handler(*item)`` on the loop (any thread)."""
+        with self.lock:
+            self.items.append(item)
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed
+            with self.lock:
+                self.items.clear()
+                self.scheduled = False
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+            self.scheduled = False
+        for item in items:
+            try:
+                self.handler(*item)
+            except BaseException as exc:  # noqa: BLE001 - reported, and the rest still delivered
+                self.loop.call_exception_handler(
+                    {"message": "genlm_vlm: delivering a result failed", "exception": exc}
+                )
+
+
 class AutoBatcher(Generic[R, V]):
     """Batch concurrent ``submit`` calls into calls of a blocking ``compute`` function.
 
@@ -119,7 +163,8 @@ class AutoBatcher(Generic[R, V]):
     from any thread (off-loop calls are forwarded with ``call_soon_threadsafe``
     and return before the waiters are resolved).  The batcher binds to the loop
     of the first ``submit`` and may rebind to another loop once it is idle (or
-    its old loop is closed).
+    its old loop is closed); a ``submit`` from another loop while calls are
+    pending raises ``RuntimeError`` saying so and what to do instead.
     """
 
     def __init__(
@@ -158,6 +203,7 @@ class AutoBatcher(Generic[R, V]):
         self._inflight: dict[Hashable, _Entry] = {}  # entries of the running compute call
         self._call: asyncio.Future | None = None  # the running compute call, if any
         self._flush_handle: asyncio.Handle | None = None
+        self._mailbox: _Mailbox | None = None  # streaming: completions on their way to the loop
         self._generation = 0  # bumped by reset(); stale calls' results are dropped
         self._closed = False
         self._unique = itertools.count()
@@ -336,8 +382,11 @@ class AutoBatcher(Generic[R, V]):
             and (self._pending or self._inflight or self._call)
         ):
             raise RuntimeError(
-                f"{self.name} is in use on another event loop; "
-                "wait for it to become idle before using it from a new loop"
+                f"this model is busy on another event loop (its async {self.name} calls there "
+                "are still pending): one model serves one event loop at a time. From other "
+                "threads, use the blocking *_sync methods (thread-safe), or hand coroutines "
+                "to the first loop with asyncio.run_coroutine_threadsafe(coro, loop); a new "
+                "loop can take over once the old loop's calls have finished or it is closed."
             )
         if old is not None:
             # Old loop is closed or the batcher is idle: forget its state.
@@ -449,17 +498,13 @@ class AutoBatcher(Generic[R, V]):
             self._fail_dispatch(batch, exc)
             return
         self._record_dispatch(batch)
-        loop, generation = self._loop, self._generation
+        box = self._mailbox
+        if box is None or box.loop is not self._loop:
+            box = self._mailbox = _Mailbox(self._loop, self._on_entry_done)
+        generation = self._generation
         for e, handle in zip(batch, handles, strict=True):
             e.handle = handle
-
-            def done(h: concurrent.futures.Future, e: _Entry = e) -> None:
-                try:
-                    loop.call_soon_threadsafe(self._on_entry_done, generation, e, h)
-                except RuntimeError:  # the loop is closed: nobody is waiting any more
-                    pass
-
-            handle.add_done_callback(done)
+            handle.add_done_callback(functools.partial(box.post, generation, e))
 
     def _on_entry_done(self, generation: int, entry: _Entry, handle: concurrent.futures.Future) -> None:
         """Streaming: one entry's engine future finished (loop thread)."""

@@ -40,24 +40,30 @@ def test_bench_async_quick(tmp_path: pathlib.Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert "ours/ceiling" in proc.stdout
+    assert "ours/ceiling" in proc.stdout and "ours/decode" in proc.stdout
 
     doc = json.loads((tmp_path / "smoke.json").read_text())
     assert {"config", "environment", "results", "ratios", "checks", "table", "wall_s"} <= set(doc)
     assert doc["config"]["quick"] is True
-    systems = {"ours", "ceiling", "logprobs", "hf"}
+    systems = {"ours", "ceiling", "decode", "logprobs", "hf"}
     assert set(doc["config"]["systems"]) == systems
+    smc = ("smc", "smc_resample")
     cells = {(r["workload"], r["n"]) for r in doc["results"]}
-    assert cells == {(w, n) for w in ("smc", "unique") for n in doc["config"]["n"]}
+    assert cells == {(w, n) for w in (*smc, "unique") for n in doc["config"]["n"]}
     for r in doc["results"]:
         assert RESULT_KEYS <= set(r), r
         assert r["system"] in systems
         assert r["rows_per_s"] > 0 and len(r["times_s"]) == doc["config"]["reps"]
-    assert len(doc["results"]) == len(cells) * len(systems)
+    # the decode ceiling runs on the SMC workloads only
+    assert {(r["workload"], r["n"]) for r in doc["results"] if r["system"] == "decode"} == {
+        c for c in cells if c[0] in smc
+    }
+    assert len(doc["results"]) == len(cells) * (len(systems) - 1) + sum(c[0] in smc for c in cells)
     assert len(doc["ratios"]) == len(cells)
     for ra in doc["ratios"]:
         assert RATIO_KEYS <= set(ra), ra
         assert ra["ours_over_ceiling"] > 0 and ra["ours_over_logprobs"] > 0 and ra["ours_over_hf"] > 0
+        assert (ra["ours_over_decode"] is not None) == (ra["workload"] in smc)
     # every system computes the same rows (float32 everywhere)
     for c in doc["checks"]:
         assert c["max_abs_diff_ours_vs_logprobs"] < 1e-3, c

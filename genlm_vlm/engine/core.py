@@ -12,16 +12,22 @@ Semi-internal handles used, each checked when the handle is built (a missing one
   streaming-input session),
 * ``llm.llm_engine.engine_core`` (the in-process client) and its ``engine_core`` (``EngineCore``:
   ``step_fn``/``post_step``, ``add_request``, ``abort_requests``, ``scheduler``),
-* ``scheduler.get_kv_cache_usage()``.
+* ``scheduler.get_kv_cache_usage()``,
+* ``EngineCoreRequest`` being a ``msgspec.Struct`` (row requests are copies of a template the
+  input processor built once per adapter; if not, every request goes through
+  ``process_inputs``).
 
 Threading: every method runs on the engine thread; nothing here is thread-safe.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import time
 from typing import Any
 
+from ..capture import TAG_KEY
 from .build import _layout_error
 
 
@@ -75,6 +81,52 @@ class CoreHandle:
         except ImportError:  # older layouts take a TokensPrompt dict
             tokens_input = None
         self._tokens_input = tokens_input
+        try:
+            import msgspec
+
+            self._replace: Any = msgspec.structs.replace
+        except (ImportError, AttributeError):  # pragma: no cover - older layouts
+            self._replace = None
+        self._templates: dict[tuple[int, bool], Any] = {}
+
+    def forget_templates(self) -> None:
+        """Drop the cached row-request templates (after an adapter is added or removed)."""
+        self._templates.clear()
+
+    def _rows_params(self, tag: str) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True, extra_args={TAG_KEY: tag}
+        )
+
+    def rows_request(
+        self, request_id: str, token_ids: list[int], tag: str, lora_request: Any, resumable: bool
+    ) -> Any:
+        """A one-token greedy request whose logits the capture stores under ``tag``.
+
+        The input processor (validation, generation-config defaults, a deep copy of the
+        sampling parameters: about 0.4 ms a request) runs once per adapter and mode; each request
+        is then a shallow copy of that template with its own id, tokens, tag and arrival time.
+        Token ids and lengths are validated by the caller (``AsyncVirtualLM``).
+        """
+        if self._replace is None:
+            return self.make_request(request_id, token_ids, self._rows_params(tag), lora_request, resumable)
+        key = (0 if lora_request is None else int(lora_request.lora_int_id), resumable)
+        template = self._templates.get(key)
+        if template is None:
+            template = self.make_request("genlm-vlm-template", [0], self._rows_params(""), lora_request, resumable)
+            self._templates[key] = template
+        params = copy.copy(template.sampling_params)
+        params.extra_args = {TAG_KEY: tag}
+        return self._replace(
+            template,
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=time.time(),
+            lora_request=lora_request,
+        )
 
     def make_request(
         self, request_id: str, token_ids: list[int], params: Any, lora_request: Any, resumable: bool

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..capture import TAG_KEY
 from .build import (
     _layout_error,
     _live_drivers,
@@ -264,6 +263,8 @@ class EngineDriver:
             engine = self.llm.llm_engine
         except AttributeError as e:
             raise _layout_error(f"LLM.llm_engine is missing ({e})") from e
+        if self._core is not None:
+            self._core.forget_templates()
         if not engine.add_lora(lora_request):
             raise RuntimeError(f"vLLM refused to load LoRA adapter {lora_request.lora_name!r}")
 
@@ -272,6 +273,8 @@ class EngineDriver:
         Engine thread."""
         for s in [s for s in self._table.idle.values() if s.adapter == int_id]:
             self._evict(s)
+        if self._core is not None:
+            self._core.forget_templates()
         try:
             self.llm.llm_engine.remove_lora(int_id)
         except AttributeError as e:
@@ -401,13 +404,6 @@ class EngineDriver:
             else:
                 self._start_rows(job, job.ids, claimed, claimed_lengths)
 
-    def _chunk_params(self, tag: str) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True, extra_args={TAG_KEY: tag}
-        )
-
     def _start_rows(
         self, job: _Job, ids: Tokens, claimed: dict[tuple[int, Tokens], None], claimed_lengths: set[int]
     ) -> None:
@@ -441,7 +437,7 @@ class EngineDriver:
         job.rid, job.tag, job.session = rid, tag, session
         try:
             assert self._core is not None
-            self._core.add(self._core.make_request(rid, tokens, self._chunk_params(tag), job.lora, resumable))
+            self._core.add(self._core.rows_request(rid, tokens, tag, job.lora, resumable))
         except Exception as e:  # noqa: BLE001 - this job's error only
             self._end_job(job, exc=e, abort=is_chunk)
             return
