@@ -3,19 +3,82 @@
 from __future__ import annotations
 
 import asyncio
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
+import numpy as np
 import torch
+
+from ._genlm_compat import declare_stand_in
 
 TokenIds = Sequence[int]
 T = TypeVar("T")
 
 
+class ContextLimitWarning(UserWarning):
+    """``sample`` stopped at the model's context limit (``max_model_len``) before ``max_tokens``
+    tokens and before an EOS token: the sample is shorter than asked for.
+
+    Turn it into an error with ``warnings.simplefilter("error", ContextLimitWarning)``, or
+    silence it with ``"ignore"``.
+    """
+
+#: Prefixes per engine call in :meth:`AsyncLM.continuation_logprobs` (bounds memory to
+#: ``chunk_size`` rows of ``vocab_size`` floats).
+SCORE_CHUNK_SIZE = 128
+
+
 def _fit(vocab: list[T], size: int, empty: T) -> list[T]:
     return vocab[:size] + [empty] * (size - len(vocab))
+
+
+def as_token_ids(token_ids: Any, what: str, vocab_size: int) -> tuple[int, ...]:
+    """``token_ids`` (a sequence of ints, or a 1-D integer tensor / array) as a tuple of ints.
+
+    Raises ``TypeError`` for text, non-integer entries or dtypes, ``ValueError`` for a 2-D
+    input or an id outside ``[0, vocab_size)``; the message names ``what``. An empty input gives
+    ``()`` (callers decide whether that is allowed).
+    """
+    if isinstance(token_ids, str | bytes):
+        raise TypeError(
+            f"{what} must be a sequence of token ids, got {type(token_ids).__name__}; "
+            "use lm.tokenizer.encode(text)"
+        )
+    if isinstance(token_ids, torch.Tensor | np.ndarray):
+        if token_ids.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got shape {tuple(token_ids.shape)}")
+        if isinstance(token_ids, torch.Tensor):
+            integer = not (token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool)
+        else:
+            integer = bool(np.issubdtype(token_ids.dtype, np.integer))
+        if not integer:
+            raise TypeError(f"{what} must hold integers, got dtype {token_ids.dtype}")
+        ids = tuple(int(t) for t in token_ids.tolist())
+    elif isinstance(token_ids, Sequence):
+        out = []
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
+            out.append(int(t))
+        ids = tuple(out)
+    else:
+        raise TypeError(f"{what} must be a sequence of int token ids, got {type(token_ids).__name__}")
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what} holds token id {t} at index {i}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+class TopK(NamedTuple):
+    """The ``k`` most likely next tokens, most likely first (see :meth:`AsyncLM.next_token_topk`)."""
+
+    #: int64 CPU tensor ``[k]``.
+    token_ids: torch.Tensor
+    #: float32 CPU tensor ``[k]``: ``log p(token | prompt)``, non-increasing.
+    logprobs: torch.Tensor
 
 
 class AsyncLM(ABC):
@@ -24,31 +87,66 @@ class AsyncLM(ABC):
     Subclasses implement :meth:`next_token_logprobs` and :meth:`next_token_logprobs_sync`; the
     batch methods here are generic fallbacks that concrete backends override with real batching.
     ``byte_vocab[i]`` / ``str_vocab[i]`` give what token ``i`` stands for (computed on first use).
+    Continuation scoring (:meth:`score`, :meth:`continuation_logprobs`) and
+    :meth:`next_token_topk` are built on the batch methods.
     """
 
     tokenizer: Any
 
+    #: Name of the genlm-backend class (in ``genlm.backend.llm``) this class stands in for, or
+    #: None. A subclass that sets it is registered as a virtual subclass of that class once
+    #: genlm-backend is loaded, so type checks such as llamppl's ``CachedCausalLM`` accept it
+    #: (see :mod:`genlm_vlm._genlm_compat`); genlm_vlm never imports genlm-backend itself.
+    genlm_backend_class: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("genlm_backend_class")
+        if name:
+            declare_stand_in(cls, name)
+
+    # ------------------------------------------------------------------ vocabulary
     # Both vocabularies have exactly ``vocab_size`` entries (the logit width): ids the tokenizer
     # does not cover map to empty, tokenizer entries beyond the logit width are dropped.
     @cached_property
-    def byte_vocab(self) -> list[bytes]:
-        """Bytes of each token id (length = logit width; ids with no token map to ``b""``)."""
+    def _byte_strings(self) -> list[bytes]:
+        """Plain bytes of each token id (length = logit width; ids with no token map to ``b""``)."""
         from .vocab import get_byte_vocab
 
         return _fit(get_byte_vocab(self.tokenizer), self.vocab_size, b"")
 
+    @property
+    def byte_vocab(self) -> list[Any]:
+        """Token ``i``'s bytes as ``byte_vocab[i]``: one entry per logit (``vocab_size``).
+
+        Entries are ``bytes`` subclasses with ``.token_id == i`` and ``.byte_string`` (plain
+        bytes), equal and hashed by id, so tokens that stand for the same bytes stay distinct
+        (genlm-backend's ``Token`` semantics). Ids the tokenizer does not cover (padding of the
+        logit matrix) have empty bytes. The class is :func:`genlm_vlm.vocab.token_class`:
+        genlm-backend's ``Token`` while genlm-backend is loaded (genlm-control, genlm-bytes and
+        llamppl load it and check for it), else :class:`genlm_vlm.vocab.Token`. The list is
+        built once per class and cached: do not modify it.
+        """
+        from .vocab import token_class, tokens_of
+
+        cls = token_class()
+        cached = self.__dict__.get("_byte_vocab_cache")
+        if cached is None or cached[0] is not cls:
+            cached = (cls, tokens_of(self._byte_strings, cls))
+            self.__dict__["_byte_vocab_cache"] = cached
+        return cached[1]
+
     @cached_property
     def str_vocab(self) -> list[str]:
         """Text of each token id (see :func:`genlm_vlm.vocab.get_str_vocab`)."""
-        from .vocab import get_str_vocab
-
-        return _fit(get_str_vocab(self.tokenizer), self.vocab_size, "")
+        return [b.decode("utf-8", errors="replace") for b in self._byte_strings]
 
     @property
     def vocab_size(self) -> int:
         """Logit width V: the length of every returned row."""
         return len(self.tokenizer)
 
+    # ------------------------------------------------------------------ rows
     @abstractmethod
     async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids``: float32 tensor ``[V]``."""
@@ -61,6 +159,8 @@ class AsyncLM(ABC):
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
         """Rows for several prompts: float32 tensor ``[N, V]`` in input order."""
+        if not token_ids_list:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32)
         rows = await asyncio.gather(*(self.next_token_logprobs(t, lora_name=lora_name) for t in token_ids_list))
         return torch.stack(rows)
 
@@ -68,7 +168,123 @@ class AsyncLM(ABC):
         self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking version of :meth:`batch_next_token_logprobs`."""
+        if not token_ids_list:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32)
         return torch.stack([self.next_token_logprobs_sync(t, lora_name=lora_name) for t in token_ids_list])
 
     def clear_cache(self) -> None:  # noqa: B027 - optional hook
         """Drop cached results (no-op here)."""
+
+    # ------------------------------------------------------------------ validation
+    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
+        """Validate one prompt (non-empty, ids in the vocabulary); returns a tuple of ints."""
+        ids = as_token_ids(token_ids, what, self.vocab_size)
+        if not ids:
+            raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
+        return ids
+
+    def _score_inputs(self, prompt_ids: Any, continuation_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        prompt = self._check_ids(prompt_ids, "prompt_ids")
+        if not isinstance(continuation_ids, str | bytes) and len(continuation_ids) == 0:
+            cont: tuple[int, ...] = ()
+        else:
+            cont = as_token_ids(continuation_ids, "continuation_ids", self.vocab_size)
+        limit = getattr(self, "max_model_len", None)
+        total = len(prompt) + len(cont)
+        if isinstance(limit, int) and total > limit:
+            raise ValueError(
+                f"prompt_ids + continuation_ids has {total} tokens ({len(prompt)} + {len(cont)}); "
+                f"this model allows at most {limit} (max_model_len)"
+            )
+        return prompt, cont
+
+    @staticmethod
+    def _check_k(k: Any, vocab_size: int) -> int:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= vocab_size:
+            raise ValueError(f"k must be an int in [1, {vocab_size}] (the vocabulary size), got {k!r}")
+        return int(k)
+
+    # ------------------------------------------------------------------ scoring and top-k
+    async def continuation_logprobs(
+        self,
+        prompt_ids: TokenIds,
+        continuation_ids: TokenIds,
+        *,
+        lora_name: str | None = None,
+        chunk_size: int = SCORE_CHUNK_SIZE,
+    ) -> torch.Tensor:
+        """``log p(c_t | prompt + c_<t)`` for each continuation token ``c_t``: float32 CPU ``[n]``.
+
+        ``prompt_ids`` must be non-empty; an empty continuation gives an empty tensor. Needs the
+        rows of the prefixes ``prompt``, ``prompt + c_1``, ..., ``prompt + c_<n``, requested
+        ``chunk_size`` at a time through :meth:`batch_next_token_logprobs` (so they share batches
+        and caches with other awaits, and at most ``chunk_size`` rows are held at once).
+        """
+        prompt, cont = self._score_inputs(prompt_ids, continuation_ids)
+        if type(chunk_size) is not int or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        out = torch.empty(len(cont), dtype=torch.float32)
+        for start in range(0, len(cont), chunk_size):
+            ks = range(start, min(start + chunk_size, len(cont)))
+            rows = await self.batch_next_token_logprobs([prompt + cont[:k] for k in ks], lora_name=lora_name)
+            out[ks.start : ks.stop] = _gather(rows, cont[ks.start : ks.stop])
+        return out
+
+    def continuation_logprobs_sync(
+        self,
+        prompt_ids: TokenIds,
+        continuation_ids: TokenIds,
+        *,
+        lora_name: str | None = None,
+        chunk_size: int = SCORE_CHUNK_SIZE,
+    ) -> torch.Tensor:
+        """Blocking :meth:`continuation_logprobs` (through :meth:`batch_next_token_logprobs_sync`)."""
+        prompt, cont = self._score_inputs(prompt_ids, continuation_ids)
+        if type(chunk_size) is not int or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        out = torch.empty(len(cont), dtype=torch.float32)
+        for start in range(0, len(cont), chunk_size):
+            ks = range(start, min(start + chunk_size, len(cont)))
+            rows = self.batch_next_token_logprobs_sync([prompt + cont[:k] for k in ks], lora_name=lora_name)
+            out[ks.start : ks.stop] = _gather(rows, cont[ks.start : ks.stop])
+        return out
+
+    async def score(
+        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None
+    ) -> float:
+        """``log p(continuation | prompt)``: the sum of :meth:`continuation_logprobs` (0.0 if empty).
+
+        No token is added: pass the BOS token in ``prompt_ids`` if the model expects one, and the
+        EOS token at the end of ``continuation_ids`` to score a finished text.
+        """
+        logps = await self.continuation_logprobs(prompt_ids, continuation_ids, lora_name=lora_name)
+        return float(logps.double().sum())
+
+    def score_sync(
+        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None
+    ) -> float:
+        """Blocking :meth:`score`."""
+        logps = self.continuation_logprobs_sync(prompt_ids, continuation_ids, lora_name=lora_name)
+        return float(logps.double().sum())
+
+    async def next_token_topk(self, token_ids: TokenIds, k: int, *, lora_name: str | None = None) -> TopK:
+        """The ``k`` most likely tokens after ``token_ids``: :class:`TopK` ``(token_ids, logprobs)``,
+        CPU tensors of length ``k``, most likely first (ties in no particular order)."""
+        k = self._check_k(k, self.vocab_size)
+        return _topk(await self.next_token_logprobs(token_ids, lora_name=lora_name), k)
+
+    def next_token_topk_sync(self, token_ids: TokenIds, k: int, *, lora_name: str | None = None) -> TopK:
+        """Blocking :meth:`next_token_topk`."""
+        k = self._check_k(k, self.vocab_size)
+        return _topk(self.next_token_logprobs_sync(token_ids, lora_name=lora_name), k)
+
+
+def _gather(rows: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """``rows[i, ids[i]]`` for each ``i``, as float32 on the CPU."""
+    index = torch.tensor(ids, dtype=torch.long, device=rows.device)
+    return rows.gather(1, index.unsqueeze(1)).squeeze(1).float().cpu()
+
+
+def _topk(row: torch.Tensor, k: int) -> TopK:
+    values, indices = torch.topk(row.float(), k)
+    return TopK(token_ids=indices.cpu(), logprobs=values.cpu())

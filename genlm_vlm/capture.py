@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -135,7 +136,7 @@ def _v2_base() -> type:
     return LogitsProcessor
 
 
-class GlobalLogprobsCapture(_v1_base()):  # type: ignore[misc]
+class _CaptureV1:
     """V1-runner logits processor that records the log-probabilities of tagged requests.
 
     Tracks ``row -> tag`` from vLLM's ``BatchUpdate`` (removed, then added, then moved/swapped)
@@ -196,7 +197,7 @@ def _is_swap(direction: Any) -> bool:
     return getattr(direction, "name", str(direction)).upper().endswith("SWAP")
 
 
-class GlobalLogprobsCaptureV2(_v2_base()):  # type: ignore[misc]
+class _CaptureV2:
     """Model Runner V2 twin of :class:`GlobalLogprobsCapture`.
 
     ``add_request(slot, params)`` records the slot's tag (or clears it for an untagged request,
@@ -229,3 +230,38 @@ class GlobalLogprobsCaptureV2(_v2_base()):  # type: ignore[misc]
             if rows:
                 self.sink.store(tags, logits, rows)
         return logits
+
+
+# The public classes subclass vLLM's LogitsProcessor interfaces, and importing those imports vLLM
+# (seconds). They are defined on first access (module ``__getattr__``), so importing this module,
+# or genlm_vlm, stays vLLM-free until an engine is built or a class is asked for.
+_LAZY_CLASSES = {
+    "GlobalLogprobsCapture": (_CaptureV1, _v1_base),
+    "GlobalLogprobsCaptureV2": (_CaptureV2, _v2_base),
+}
+_define_lock = threading.Lock()
+
+if TYPE_CHECKING:
+    GlobalLogprobsCapture = _CaptureV1
+    GlobalLogprobsCaptureV2 = _CaptureV2
+
+
+def __getattr__(name: str) -> type:
+    spec = _LAZY_CLASSES.get(name)
+    if spec is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _define_lock:
+        cls = globals().get(name)
+        if cls is None:
+            impl, base = spec
+
+            def body(ns: dict[str, Any], impl: type = impl) -> None:
+                ns.update(__module__=__name__, __qualname__=name, __doc__=impl.__doc__)
+
+            cls = types.new_class(name, (impl, base()), exec_body=body)
+            globals()[name] = cls
+    return cls
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_CLASSES})

@@ -38,9 +38,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from . import logs
+from .cli import add_verbosity_options, verbosity_of
+
 #: Characters the default constraint allows in generated text.
 DEFAULT_ALLOWED_CHARS = "abcdefghijklmnopqrstuvwxyz "
 DEFAULT_PROMPT = "the"
+#: The demo's ``max_model_len`` unless ``--engine-opt max_model_len=N`` is given.
+DEFAULT_MAX_MODEL_LEN = 512
 
 NextLogprobs = Callable[[list[int]], Awaitable[torch.Tensor]]
 
@@ -84,7 +89,10 @@ class CharSetConstraint:
         special_ids: Sequence[int] = (),
     ) -> None:
         if not allowed:
-            raise ValueError("the allowed character set is empty")
+            raise ValueError(
+                "the allowed character set is empty: give the characters generated text may use, "
+                "e.g. 'abc '"
+            )
         self.allowed = allowed
         chars = set(allowed)
         mask = torch.zeros(len(byte_vocab), dtype=torch.bool)
@@ -106,6 +114,21 @@ class CharSetConstraint:
         return f"characters in {self.allowed!r} ({self.n_allowed} tokens) or EOS"
 
 
+def compile_regex(pattern: str) -> Any:
+    """``regex.compile(pattern)``; an invalid pattern raises ``ValueError`` saying what is wrong."""
+    try:
+        import regex
+    except ImportError as e:  # pragma: no cover - a dependency of transformers
+        raise ImportError("regular expressions need the `regex` package (pip install regex)") from e
+    try:
+        return regex.compile(pattern)
+    except regex.error as e:
+        raise ValueError(
+            f"{pattern!r} is not a valid regular expression ({e}); escape characters meant "
+            "literally with a backslash, e.g. \\[ for '['"
+        ) from None
+
+
 class RegexConstraint:
     """Generated text must be a prefix of a string matching ``pattern`` (whole-string match).
 
@@ -121,12 +144,8 @@ class RegexConstraint:
         eos_id: int,
         special_ids: Sequence[int] = (),
     ) -> None:
-        try:
-            import regex
-        except ImportError as e:  # pragma: no cover - a dependency of transformers
-            raise ImportError("--regex needs the `regex` package (pip install regex)") from e
         self.pattern = pattern
-        self._re = regex.compile(pattern)
+        self._re = compile_regex(pattern)
         self._eos = eos_id
         self._size = len(byte_vocab)
         self._tokens: list[tuple[int, str]] = []
@@ -232,6 +251,11 @@ class Particle:
     log_weight: float = 0.0
     finished: bool = False  # sampled EOS (or died: weight -inf)
 
+    @property
+    def dead(self) -> bool:
+        """Ended because no allowed token had probability > 0 (its weight is zero)."""
+        return self.finished and self.log_weight == float("-inf")
+
 
 @dataclass
 class SMCResult:
@@ -242,6 +266,8 @@ class SMCResult:
     resamples: int
     awaits: int
     """Number of ``next_logprobs`` awaits issued."""
+    died_at: int | None = None
+    """The step at which every particle had died (no allowed token with probability > 0), if so."""
 
 
 async def run_smc(
@@ -269,6 +295,7 @@ async def run_smc(
     particles = [Particle() for _ in range(n_particles)]
     log_evidence = 0.0
     resamples = awaits = steps = 0
+    died_at: int | None = None
 
     bar = None
     if progress:
@@ -299,6 +326,9 @@ async def run_smc(
             log_weights = [p.log_weight for p in particles]
             if not any(math.isfinite(w) for w in log_weights):
                 log_evidence = float("-inf")
+                died_at = steps
+                if bar is not None:
+                    bar.set_postfix(ess="0", live=0)
                 break
             ess = effective_sample_size(log_weights)
             if ess < ess_threshold * n_particles:
@@ -316,7 +346,7 @@ async def run_smc(
             bar.close()
     if math.isfinite(log_evidence):
         log_evidence += log_mean_exp([p.log_weight for p in particles])
-    return SMCResult(particles, log_evidence, steps, resamples, awaits)
+    return SMCResult(particles, log_evidence, steps, resamples, awaits, died_at)
 
 
 # --------------------------------------------------------------------------------------- the CLI
@@ -354,7 +384,7 @@ def default_engine_opts() -> dict[str, Any]:
     """``max_model_len=512``; on the CPU build also a 256 MiB KV cache and float32 weights."""
     from .engine import is_cpu_platform
 
-    opts: dict[str, Any] = {"max_model_len": 512}
+    opts: dict[str, Any] = {"max_model_len": DEFAULT_MAX_MODEL_LEN}
     if is_cpu_platform():
         opts.update(kv_cache_memory_bytes=256 << 20, dtype="float32")
     return opts
@@ -402,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ess-threshold",
         type=float,
         default=0.5,
-        help="resample when ESS < this x N (default 0.5)",
+        help="resample when ESS < this x N, between 0 (never) and 1 (default 0.5)",
     )
     p.add_argument(
         "--engine-opt",
@@ -412,8 +442,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm.LLM option (repeatable; values parsed as int/float/bool when possible)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--verbose", action="store_true", help="show vLLM's log messages")
+    add_verbosity_options(p, quiet_help="no progress bar (vLLM shows only its errors either way)")
     return p
+
+
+class UsageError(ValueError):
+    """A command-line option that cannot work; the message names it and the fix."""
+
+
+def check_args(args: argparse.Namespace, user_opts: dict[str, Any]) -> None:
+    """Check the options that can be checked without the model; raises :class:`UsageError`.
+
+    Runs before the engine is built, so a typo costs no model load.
+    """
+    if args.particles < 1:
+        raise UsageError(f"--particles must be >= 1, got {args.particles}")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if not 0.0 <= args.ess_threshold <= 1.0:  # also rejects nan
+        raise UsageError(
+            f"--ess-threshold must be between 0 (never resample) and 1 (resample whenever the "
+            f"weights differ), got {args.ess_threshold}"
+        )
+    if args.allowed_chars is not None and not args.allowed_chars:
+        raise UsageError(
+            "--allowed-chars is empty: give the characters generated text may use, e.g. "
+            "--allowed-chars 'abc ' (leave the option out for lowercase letters and space)"
+        )
+    if args.regex is not None:
+        try:
+            compile_regex(args.regex)
+        except ValueError as e:
+            raise UsageError(f"--regex: {e}") from None
+    max_len = user_opts.get("max_model_len", DEFAULT_MAX_MODEL_LEN)
+    # The prompt holds at least one token (BOS), and the engine needs one position past it.
+    if isinstance(max_len, int) and args.max_tokens + 2 > max_len:
+        raise UsageError(
+            f"--max-tokens {args.max_tokens} does not fit in max_model_len={max_len} (prompt + "
+            f"generated tokens must stay below it): lower --max-tokens or pass "
+            f"--engine-opt max_model_len={args.max_tokens + 64}"
+        )
 
 
 def make_constraint(
@@ -445,19 +515,58 @@ def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return ids
 
 
+#: Printed above the particle table.
+PARTICLE_LEGEND = (
+    "  (weight: the particles' share of the normalised SMC weight, all rows sum to 1; "
+    "xN: particles with this text;\n"
+    "   <eos>: ended with EOS; <dead>: no allowed token had probability > 0; "
+    "no mark: cut off by --max-tokens)"
+)
+
+
 def format_particles(result: SMCResult, prompt: str) -> list[str]:
-    """Distinct particles with their total normalised weight and count, heaviest first."""
+    """Distinct particles with their total normalised weight and count, heaviest first.
+
+    A row ends with ``<eos>`` (the particle sampled EOS), ``<dead>`` (no allowed token had
+    probability > 0) or nothing (cut off by ``max_tokens``); see :data:`PARTICLE_LEGEND`.
+    """
     weights = normalized_weights([p.log_weight for p in result.particles])
-    groups: dict[tuple[bytes, bool], list[float]] = {}
+    groups: dict[tuple[bytes, str], list[float]] = {}
     for p, w in zip(result.particles, weights, strict=True):
-        groups.setdefault((p.text, p.finished), []).append(float(w))
+        end = "  <dead>" if p.dead else "  <eos>" if p.finished else ""
+        groups.setdefault((p.text, end), []).append(float(w))
     rows = sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
     lines = []
-    for (text, finished), ws in rows:
+    for (text, tail), ws in rows:
         decoded = text.decode("utf-8", errors="replace")
-        tail = "  <eos>" if finished else ""
         lines.append(
             f"  {sum(ws):.4f}  x{len(ws):<3d} {json.dumps(prompt)} + {json.dumps(decoded)}{tail}"
+        )
+    return lines
+
+
+def summarize(result: SMCResult, max_tokens: int) -> list[str]:
+    """What ``log P(constraint)`` estimates, and why it is ``-inf`` or partial when it is."""
+    n = len(result.particles)
+    if result.died_at is not None or not math.isfinite(result.log_evidence):
+        step = f" at step {result.died_at}" if result.died_at is not None else ""
+        return [
+            f"no particle can satisfy the constraint: all {n} died{step} (each reached a text "
+            "after which no allowed token, EOS included, has probability > 0 under the model), "
+            "so estimated log P(constraint) = -inf.",
+            "  Relax the constraint: allow more characters (--allowed-chars), or let --regex "
+            "accept what the model can write from this prompt (and end it, so EOS is allowed).",
+        ]
+    lines = [
+        f"estimated log P(constraint) = {result.log_evidence:.3f}: the log-probability that "
+        f"the model's own text obeys the constraint up to EOS or for {max_tokens} tokens",
+    ]
+    cut = sum(not p.finished for p in result.particles)
+    if cut:
+        lines.append(
+            f"  {cut} of {n} particles were cut off by --max-tokens {max_tokens} before EOS: "
+            "their texts are unfinished and the estimate covers only their first "
+            f"{max_tokens} tokens (raise --max-tokens for complete texts)."
         )
     return lines
 
@@ -477,41 +586,48 @@ def format_stats(stats: dict[str, Any], awaits: int) -> list[str]:
     ]
 
 
+def _error(message: str) -> None:
+    print(f"demo: error: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m genlm_vlm demo``: 0 on success, 1 when no particle satisfied the constraint
+    or the engine failed, 2 for bad options (reported before the model is loaded when the cause
+    is in the options alone)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.particles < 1 or args.max_tokens < 1:
-        print("--particles and --max-tokens must be >= 1", file=sys.stderr)
-        return 2
     try:
         user_opts = parse_engine_opts(args.engine_opt)
+        check_args(args, user_opts)
     except ValueError as e:
-        print(e, file=sys.stderr)
+        _error(str(e))
         return 2
     model = args.model or default_model_path()
     if args.model is None and not (pathlib.Path(model) / "config.json").is_file():
-        print(
-            f"the shipped demo model is missing from {model}; run scripts/train_demo_model.py",
-            file=sys.stderr,
-        )
+        _error(f"the shipped demo model is missing from {model}; run scripts/train_demo_model.py")
         return 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    vllm_logger = logging.getLogger("vllm")
-    old_level = vllm_logger.level
-    if not args.verbose:  # keep the demo's output readable
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        vllm_logger.setLevel(logging.ERROR)
-    try:
+    with logs.verbosity(verbosity_of(args)):
         return _run_demo(args, user_opts, model)
-    finally:
-        vllm_logger.setLevel(old_level)
 
 
 def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -> int:
     from .vllm_lm import AsyncVirtualLM
 
+    verbose = logs.vllm_log_level() <= logging.INFO
+    progress = not (args.no_progress or args.quiet)
     t0 = time.perf_counter()
-    engine_opts = {**default_engine_opts(), **user_opts}
-    lm = AsyncVirtualLM.from_name(model, engine_opts)
+    quiet_load = {} if verbose else {"use_tqdm_on_load": False}  # vLLM's weight-loading bar
+    engine_opts = {**default_engine_opts(), **quiet_load, **user_opts}
+    try:
+        lm = AsyncVirtualLM.from_name(model, engine_opts)
+    except Exception as e:
+        if verbose:
+            raise
+        _error(
+            f"could not build the engine for {model}: {type(e).__name__}: {e} "
+            "(--verbose shows vLLM's log and the traceback)"
+        )
+        return 1
     try:
         t_load = time.perf_counter() - t0
         tokenizer = lm.tokenizer
@@ -522,12 +638,22 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
             constraint = make_constraint(args, byte_vocab, eos_id, special_ids)
             prompt_ids = _prompt_ids(tokenizer, args.prompt)
         except (ValueError, ImportError) as e:
-            print(e, file=sys.stderr)
+            _error(str(e))
+            return 2
+        first = constraint.mask(b"")
+        if int(first.sum()) - int(bool(first[eos_id])) == 0:
+            what = "only EOS" if bool(first[eos_id]) else "no token at all (not even EOS)"
+            _error(
+                f"the constraint ({constraint.describe()}) allows {what} right after the prompt: "
+                "no token of this model's vocabulary satisfies it, so no particle could generate "
+                "any text. Allow more characters (--allowed-chars) or loosen --regex."
+            )
             return 2
         if len(prompt_ids) + args.max_tokens >= lm.max_model_len:
-            print(
-                f"prompt ({len(prompt_ids)} tokens) + --max-tokens must stay below max_model_len={lm.max_model_len}",
-                file=sys.stderr,
+            _error(
+                f"prompt ({len(prompt_ids)} tokens) + --max-tokens {args.max_tokens} must stay "
+                f"below max_model_len={lm.max_model_len}: lower --max-tokens or pass "
+                f"--engine-opt max_model_len={len(prompt_ids) + args.max_tokens + 64}"
             )
             return 2
         shown = model if args.model else f"{model} (shipped demo model)"
@@ -538,6 +664,13 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
             f"SMC:        {args.particles} particles, up to {args.max_tokens} tokens, resample when ESS < {args.ess_threshold:g} N, seed {args.seed}"
         )
         sys.stdout.flush()
+        if progress:
+            print(
+                "(progress bar: ess = effective sample size of the particle weights, "
+                f"resampling when < {args.ess_threshold:g} x {args.particles}; "
+                "live = particles still generating)",
+                file=sys.stderr,
+            )
 
         t1 = time.perf_counter()
         result = asyncio.run(
@@ -551,7 +684,7 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
                 max_tokens=args.max_tokens,
                 ess_threshold=args.ess_threshold,
                 rng=np.random.default_rng(args.seed),
-                progress=not args.no_progress,
+                progress=progress,
             )
         )
         t_smc = time.perf_counter() - t1
@@ -560,15 +693,13 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
         lm.cleanup()
 
     n_distinct = len({(p.text, p.finished) for p in result.particles})
-    print(
-        f"\nparticles ({args.particles}, {n_distinct} distinct; weight, count, prompt + generated text), heaviest first:"
-    )
+    print(f"\nparticles ({args.particles}, {n_distinct} distinct), heaviest first:")
+    print(PARTICLE_LEGEND)
     for line in format_particles(result, args.prompt):
         print(line)
-    print(
-        f"\nSMC: {result.steps} steps, {result.resamples} resampling steps; "
-        f"estimated log P(constraint) = {result.log_evidence:.3f}"
-    )
+    print(f"\nSMC: {result.steps} steps, {result.resamples} resampling steps")
+    for line in summarize(result, args.max_tokens):
+        print(line)
     print("engine statistics:")
     for line in format_stats(stats, result.awaits):
         print(line)

@@ -15,7 +15,7 @@ Python::
 Command line (one JSON object per line in, one per line out, in input order)::
 
     python -m genlm_vlm score IN.jsonl OUT.jsonl [--model NAME_OR_PATH] [--top-k K]
-        [--chunk-size N] [--engine-opt key=value ...] [--no-progress]
+        [--chunk-size N] [--engine-opt key=value ...] [--no-progress] [--quiet | --verbose]
 
 Input record fields:
 
@@ -29,7 +29,11 @@ Input record fields:
 ``add_bos`` (optional, default false)
     Prepend ``lm.tokenizer.bos_token_id`` to the prompt (also to a prompt given as ids).
 ``id`` (optional)
-    Copied to the output (``null`` when absent).
+    Copied to the output (``null`` when absent); any JSON value, so other data about the record
+    can travel here.
+
+Any other key is an error for that record (``unknown key 'contination' ... did you mean
+'continuation'?``), so that a misspelled field is not silently ignored.
 
 Output per record::
 
@@ -42,9 +46,9 @@ Output per record::
 ``token`` is the text the token contributes (:func:`genlm_vlm.vocab.get_str_vocab`).
 ``token_logprobs[t]`` is ``log p(c_t | prompt + c_<t)`` and ``continuation_logprob`` their sum
 (an empty continuation scores 0). ``line`` is the record's 1-based position (the line number in
-a JSONL file). A record that cannot be scored (not a JSON object, invalid JSON, missing or empty
-prompt, wrong types, token ids outside the vocabulary, prompt + continuation longer than the
-model's ``max_model_len``) gives ``{"id": ..., "line": n, "error": "..."}`` and the other
+a JSONL file). A record that cannot be scored (not a JSON object, invalid JSON, an unknown key,
+missing or empty prompt, wrong types, token ids outside the vocabulary, prompt + continuation
+longer than the model's ``max_model_len``) gives ``{"id": ..., "line": n, "error": "..."}`` and the other
 records are scored as usual.
 
 How it runs: every record needs the rows of its prefixes ``prompt``, ``prompt + c_1``, ...,
@@ -75,6 +79,9 @@ from typing import IO, Any
 
 import torch
 
+from . import logs
+from .cli import add_verbosity_options, verbosity_of
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["default_model_path", "main", "read_jsonl", "score_records"]
@@ -98,6 +105,29 @@ class InvalidLine:
 
 class RecordError(ValueError):
     """A record that cannot be scored (the message goes to the output's ``error`` field)."""
+
+
+#: The keys a record may have.
+RECORD_KEYS = ("prompt", "continuation", "add_bos", "id")
+
+
+def _unknown_keys(record: dict[str, Any]) -> str | None:
+    """An error message naming the keys of ``record`` that are not :data:`RECORD_KEYS`."""
+    unknown = [k for k in record if k not in RECORD_KEYS]
+    if not unknown:
+        return None
+    import difflib
+
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), RECORD_KEYS, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        parts.append(f"{key!r}{hint}")
+    noun = "key" if len(unknown) == 1 else "keys"
+    return (
+        f"unknown {noun} {', '.join(parts)}; a record accepts only {', '.join(RECORD_KEYS)} "
+        "(put other data under 'id')"
+    )
 
 
 @dataclass(slots=True)
@@ -164,6 +194,9 @@ def _prepare(lm: Any, line: int, record: Any, want_top: bool) -> _Job:
         raise RecordError(record.message)
     if not isinstance(record, dict):
         raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+    unknown = _unknown_keys(record)
+    if unknown is not None:
+        raise RecordError(unknown)
     if "prompt" not in record or record["prompt"] is None:
         raise RecordError("missing 'prompt' (a text or a list of token ids)")
     add_bos = record.get("add_bos", False)
@@ -338,7 +371,8 @@ def score_records(
     Each record is a dict with ``prompt`` (text or token ids), optional ``continuation`` (text or
     token ids), optional ``add_bos`` and optional ``id``; see the module docstring for the exact
     fields of the results. One result is yielded per record, in input order; a record that
-    cannot be scored yields ``{"id", "line", "error"}`` instead. ``top_k=None`` or ``0`` leaves
+    cannot be scored (an unknown key among them: see :data:`RECORD_KEYS`) yields
+    ``{"id", "line", "error"}`` instead. ``top_k=None`` or ``0`` leaves
     out the ``top_k`` field. At most ``chunk_size`` prefixes go to the engine per call, and
     records are consumed from ``records`` only as fast as they are scored.
 
@@ -408,48 +442,73 @@ def _parser() -> argparse.ArgumentParser:
         help="vllm.LLM option, repeatable; VALUE is parsed as JSON when it can be (dtype=float32, max_model_len=4096)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_verbosity_options(p, quiet_help="no progress bar and no 'scored N, errors M' line on stderr")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m genlm_vlm score``: returns 0 (errors in records are reported, not fatal)."""
+    """``python -m genlm_vlm score``: 0 when the file was scored (errors in records are written
+    to the output, not fatal), 1 when the engine could not be built, 2 for bad options (checked
+    before the model is loaded)."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.top_k < 0:
-        print("--top-k must be >= 0", file=sys.stderr)
-        return 2
-    if args.chunk_size < 1:
-        print("--chunk-size must be >= 1", file=sys.stderr)
-        return 2
-    if args.input != "-" and not os.path.isfile(args.input):
-        print(f"input file not found: {args.input}", file=sys.stderr)
-        return 2
+    problem = None
     out_dir = os.path.dirname(os.path.abspath(args.output))
-    if args.output != "-" and not os.path.isdir(out_dir):
-        print(f"output directory not found: {out_dir}", file=sys.stderr)
+    if args.top_k < 0:
+        problem = f"--top-k must be >= 0 (0 leaves the top-k list out), got {args.top_k}"
+    elif args.chunk_size < 1:
+        problem = f"--chunk-size must be >= 1, got {args.chunk_size}"
+    elif args.input != "-" and not os.path.isfile(args.input):
+        problem = f"input file not found: {args.input} (give a JSONL file, or - for stdin)"
+    elif args.output != "-" and not os.path.isdir(out_dir):
+        problem = f"output directory not found: {out_dir} (create it, or give - for stdout)"
+    if problem is not None:
+        print(f"score: error: {problem}", file=sys.stderr)
         return 2
 
-    # stdout may carry the results ('-'): vLLM's log and any stray print go to stderr
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # stdout may carry the results ('-'): vLLM's log (genlm_vlm.logs) and any stray print go
+    # to stderr
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results_out = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):
-        n_ok, n_err = _score_file(args, results_out)
-    print(f"scored {n_ok}, errors {n_err}", file=sys.stderr)
+    with logs.verbosity(verbosity_of(args)), contextlib.redirect_stdout(sys.stderr):
+        counts = _score_file(args, results_out)
+    if counts is None:
+        return 1
+    if not args.quiet:
+        print(f"scored {counts[0]}, errors {counts[1]}", file=sys.stderr)
     return 0
 
 
-def _score_file(args: argparse.Namespace, stdout: IO[str]) -> tuple[int, int]:
+def _score_file(args: argparse.Namespace, stdout: IO[str]) -> tuple[int, int] | None:
+    """``(scored, errors)``; None (after a one-line message) when the engine cannot be built."""
     from tqdm.auto import tqdm
 
     from .vllm_lm import AsyncVirtualLM
 
-    lm = AsyncVirtualLM.from_name(args.model or default_model_path(), dict(args.engine_opt))
+    verbose = logs.vllm_log_level() <= logging.INFO
+    engine_opts = dict(args.engine_opt)
+    if not verbose:
+        engine_opts.setdefault("use_tqdm_on_load", False)  # vLLM's weight-loading bar
+    model = args.model or default_model_path()
+    try:
+        lm = AsyncVirtualLM.from_name(model, engine_opts)
+    except Exception as e:
+        if verbose:
+            raise
+        print(
+            f"score: error: could not build the engine for {model}: {type(e).__name__}: {e} "
+            "(--verbose shows vLLM's log and the traceback)",
+            file=sys.stderr,
+        )
+        return None
     n_ok = n_err = 0
     src: IO[str] = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     dst: IO[str] = stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     try:
         total = None if args.input == "-" else _count_lines(args.input)
-        bar = tqdm(total=total, desc="scoring", unit="record", disable=args.no_progress, file=sys.stderr)
+        bar = tqdm(
+            total=total, desc="scoring", unit="record", disable=args.no_progress or args.quiet,
+            file=sys.stderr,
+        )
         for result in _Scorer(lm, args.top_k, args.chunk_size).score(read_jsonl(src)):
             dst.write(json.dumps(result, ensure_ascii=False) + "\n")
             if "error" in result:

@@ -12,6 +12,8 @@ its request finishes. Async awaits reach it through :class:`~genlm_vlm.batching.
 from __future__ import annotations
 
 import asyncio
+import difflib
+import inspect
 import logging
 import numbers
 import os
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import AsyncLM, TokenIds
+from .base import AsyncLM, ContextLimitWarning, TokenIds
 from .batching import AutoBatcher
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, make_lora_request, wait_all
@@ -54,6 +56,15 @@ class _SampleRequest:
     adapter: Adapter | None
 
 
+#: Keyword arguments of :meth:`AsyncVirtualLM.from_name` itself (the rest go to ``__init__``).
+_FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "max_sessions")
+
+
+def _check_chunk_sizes(chunk_size: int, min_chunk_size: int) -> None:
+    if chunk_size < 1 or min_chunk_size < 1:
+        raise ValueError("chunk_size and min_chunk_size must be >= 1")
+
+
 def _clone(row: torch.Tensor) -> torch.Tensor:
     return row.clone()
 
@@ -71,6 +82,10 @@ class AsyncVirtualLM(AsyncLM):
     ``with`` / ``async with`` block.
     """
 
+    #: llamppl's ``CachedCausalLM`` and other ``isinstance`` checks against genlm-backend's
+    #: ``AsyncVirtualLM`` accept this class (registered once genlm-backend is loaded).
+    genlm_backend_class = "AsyncVirtualLM"
+
     def __init__(
         self,
         driver: EngineDriver,
@@ -82,8 +97,7 @@ class AsyncVirtualLM(AsyncLM):
         chunk_size: int = 1024,
         min_chunk_size: int = 1,
     ) -> None:
-        if chunk_size < 1 or min_chunk_size < 1:
-            raise ValueError("chunk_size and min_chunk_size must be >= 1")
+        _check_chunk_sizes(chunk_size, min_chunk_size)
         self._driver = driver
         self.tokenizer = driver.tokenizer()
         self._vocab_size = driver.info.vocab_size
@@ -133,8 +147,13 @@ class AsyncVirtualLM(AsyncLM):
         plain requests, see ``engine_info.mode``). ``max_sessions`` caps idle sessions (default
         vLLM's ``max_num_seqs``). Other keyword arguments go to :class:`AsyncVirtualLM`
         (``batch_size``, ``timeout``, ``cache_size``, ``cache_opts``, ``chunk_size``,
-        ``min_chunk_size``).
+        ``min_chunk_size``); an unknown one raises ``TypeError`` before the engine is built.
+        A model that cannot be found raises ``FileNotFoundError`` before vLLM is imported: a
+        missing local path, or a hub id that is not in the local Hugging Face cache while the hub
+        is unreachable or ``HF_HUB_OFFLINE=1`` (a cached model is then loaded from its snapshot;
+        see :func:`genlm_vlm.engine.build.resolve_model`).
         """
+        cls._check_options(kwargs)
         driver = EngineDriver(
             os.fspath(model_name),
             engine_opts,
@@ -148,10 +167,61 @@ class AsyncVirtualLM(AsyncLM):
             driver.shutdown()
             raise
 
+    @classmethod
+    def _check_options(cls, kwargs: dict[str, Any]) -> None:
+        """Reject what ``cls(driver, **kwargs)`` would reject, before an engine is built."""
+        params = inspect.signature(cls.__init__).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            accepted = [n for n, p in params.items() if p.kind in named and n not in ("self", "driver")]
+            for key in kwargs:
+                if key not in accepted:
+                    close = difflib.get_close_matches(key, [*accepted, *_FROM_NAME_OPTIONS], n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise TypeError(
+                        f"{cls.__name__}.from_name() got an unexpected keyword argument {key!r}{hint} "
+                        f"(accepted: {', '.join([*_FROM_NAME_OPTIONS, *accepted])}; vLLM options "
+                        "go in engine_opts)"
+                    )
+        _check_chunk_sizes(kwargs.get("chunk_size", 1), kwargs.get("min_chunk_size", 1))
+
     @property
     def vocab_size(self) -> int:
         """Logit width V: the length of every returned row."""
         return self._vocab_size
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct queries handed to the engine loop in one group by the async batcher
+        (default 256; settable, e.g. ``lm.batch_size = 64``, effective from the next group).
+
+        The engine still schedules each step within vLLM's ``max_num_seqs`` and
+        ``max_num_batched_tokens``; this only bounds how many async queries are dispatched at
+        once. The sync API sends ``chunk_size`` prompts per call instead.
+        """
+        return self._logprob_batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
+        for batcher in (self._logprob_batcher, self._sample_batcher):
+            batcher.batch_size = int(value)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds the async batcher waits for more queries after the first one of an idle
+        period before dispatching (default 0.0: dispatch at the next event-loop pass, so
+        everything awaited together still goes together). Settable, effective from the next
+        query."""
+        return self._logprob_batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
+        for batcher in (self._logprob_batcher, self._sample_batcher):
+            batcher.timeout = float(value)
 
     @property
     def engine_info(self) -> Any:
@@ -186,7 +256,7 @@ class AsyncVirtualLM(AsyncLM):
             ids = tuple(token_ids.tolist())
         elif isinstance(token_ids, Sequence):
             ids = tuple(token_ids)
-            if not all(type(t) is int for t in ids):
+            if ids and set(map(type, ids)) != {int}:  # the common case costs one C-level pass
                 converted = []
                 for i, t in enumerate(ids):
                     if isinstance(t, bool) or not isinstance(t, numbers.Integral):
@@ -274,10 +344,14 @@ class AsyncVirtualLM(AsyncLM):
         draws the tokens; with a ``seed`` genlm_vlm draws them from the model's rows with
         ``torch.Generator(seed)`` (one decode step per token through a session), so the same seed
         gives the same tokens whatever else runs in the batch. Concurrent calls share engine
-        steps.
+        steps. A sample also stops when prompt + sample reach ``max_model_len``; it then has fewer
+        than ``max_tokens`` tokens and no EOS, and a :class:`~genlm_vlm.base.ContextLimitWarning`
+        says so.
         """
         req = self._sample_request(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
-        return await self._sample_batcher.submit(req)
+        out = await self._sample_batcher.submit(req)
+        self._warn_context_limit([req], [out])
+        return out
 
     async def batch_sample(
         self,
@@ -289,12 +363,38 @@ class AsyncVirtualLM(AsyncLM):
         lora_name: str | None = None,
     ) -> list[list[int]]:
         """:meth:`sample` for each prompt, in one engine call. With ``seed``, prompt ``i`` uses
-        ``seed + i`` (reproducible, and identical prompts still get different samples)."""
+        ``seed + i`` (reproducible, and identical prompts still get different samples). One
+        :class:`~genlm_vlm.base.ContextLimitWarning` counts the samples cut by ``max_model_len``."""
         reqs = [
             self._sample_request(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i, lora_name, f"prompt_token_ids_list[{i}]")
             for i, p in enumerate(prompt_token_ids_list)
         ]
-        return list(await asyncio.gather(*(self._sample_batcher.submit(r) for r in reqs)))
+        outs = list(await asyncio.gather(*(self._sample_batcher.submit(r) for r in reqs)))
+        self._warn_context_limit(reqs, outs)
+        return outs
+
+    def _warn_context_limit(self, reqs: Sequence[_SampleRequest], outs: Sequence[list[int]]) -> None:
+        """Warn when samples stopped at ``max_model_len`` rather than at ``max_tokens`` or EOS.
+
+        The EOS token is stripped from a sample, so prompt + sample reaching ``max_model_len``
+        means the engine stopped for the length (an EOS at the last position leaves one short).
+        """
+        cut = [
+            i for i, (r, out) in enumerate(zip(reqs, outs, strict=True))
+            if len(out) < r.max_tokens and len(r.ids) + len(out) >= self.max_model_len
+        ]
+        if not cut:
+            return
+        r = reqs[cut[0]]
+        which = "the sample" if len(reqs) == 1 else f"{len(cut)} of {len(reqs)} samples (first: index {cut[0]})"
+        warnings.warn(
+            f"{which} stopped at the context limit: prompt ({len(r.ids)} tokens) + sample reached "
+            f"max_model_len={self.max_model_len} before max_tokens={r.max_tokens} and before an EOS "
+            "token. Shorten the prompt, or build the model with a larger max_model_len "
+            "(engine_opts={'max_model_len': N}).",
+            ContextLimitWarning,
+            stacklevel=3,
+        )
 
     def _sample_request(
         self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, lora_name: str | None,

@@ -198,7 +198,7 @@ def test_shipped_model_files() -> None:
 
 
 _PARTICLE = re.compile(
-    r'^  (?P<w>\d\.\d{4})  x(?P<n>\d+)\s+(?P<prompt>".*?") \+ (?P<text>".*")(?P<eos>  <eos>)?$'
+    r'^  (?P<w>\d\.\d{4})  x(?P<n>\d+)\s+(?P<prompt>".*?") \+ (?P<text>".*")(?P<end>  <(?:eos|dead)>)?$'
 )
 
 
@@ -207,7 +207,7 @@ def _parse(output: str) -> tuple[list[tuple[float, int, str, bool]], dict[str, i
     for line in output.splitlines():
         m = _PARTICLE.match(line)
         if m:
-            particles.append((float(m["w"]), int(m["n"]), json.loads(m["text"]), bool(m["eos"])))
+            particles.append((float(m["w"]), int(m["n"]), json.loads(m["text"]), m["end"] == "  <eos>"))
     stats = {
         key: int(m.group(1))
         for key, pattern in (
@@ -251,6 +251,11 @@ def test_demo_command_on_shipped_model() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check(proc.stdout, demo.DEFAULT_ALLOWED_CHARS, 8, 6)
     assert "shipped demo model" in proc.stdout
+    assert "(weight: the particles' share" in proc.stdout  # the table is explained
+    # vLLM's log is quiet by default and never on stdout
+    vllm_line = re.compile(r"^\(\S+ pid=\d+\) (INFO|WARNING) ", re.M)
+    assert not vllm_line.search(proc.stdout + proc.stderr), proc.stderr
+    assert "Loading safetensors" not in proc.stderr
 
 
 def test_demo_main_in_process_with_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,7 @@ BAD = [
     ({"id": "bad-bos", "prompt": [5], "add_bos": "yes"}, "add_bos must be true or false"),
     ({"id": "long-prompt", "prompt": [5] * 600}, "at most 511"),
     ({"id": "long-total", "prompt": [5] * 500, "continuation": [6] * 13}, "prompt + continuation has 513 tokens"),
+    ({"id": "typo", "prompt": [5, 6], "contination": [7]}, "unknown key 'contination' (did you mean 'continuation'?)"),
     ([1, 2, 3], "must be a JSON object"),
     ("text", "must be a JSON object"),
 ]
@@ -366,13 +368,14 @@ def test_cli_stdin_stdout_in_process(llama_lm, monkeypatch, capsys):
         return built[-1]
 
     monkeypatch.setattr(AsyncVirtualLM, "from_name", staticmethod(fake_from_name))
-    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # main sets it; restore after
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # genlm_vlm.logs sets it; restore after
     lines = ['{"id": "a", "prompt": [5, 6], "continuation": [7, 8]}', "nope", '{"id": "c", "prompt": "x"}']
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
     rc = main(["-", "-", "--top-k", "2", "--engine-opt", "max_model_len=512", "--engine-opt", "dtype=float32"])
     captured = capsys.readouterr()
     assert rc == 0
-    assert built[0] == (default_model_path(), {"max_model_len": 512, "dtype": "float32"})
+    # not --verbose: vLLM's weight-loading bar is off too (an --engine-opt would win)
+    assert built[0] == (default_model_path(), {"max_model_len": 512, "dtype": "float32", "use_tqdm_on_load": False})
     assert built[1].cleaned
     out = [json.loads(line) for line in captured.out.splitlines()]  # nothing else on stdout
     assert [r["id"] for r in out] == ["a", None, "c"] and "error" in out[1]
@@ -397,6 +400,9 @@ def test_cli_end_to_end(llama_lm, model_paths, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scored 5, errors 2" in proc.stderr
+    # vLLM's log is quiet by default (genlm_vlm.logs): none of its INFO or WARNING lines
+    assert not re.search(r"^\(\S+ pid=\d+\) (INFO|WARNING) ", proc.stderr, re.M), proc.stderr[-3000:]
+    assert proc.stdout == ""
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [r["line"] for r in out] == [1, 2, 3, 4, 6, 7, 8]
     assert "invalid JSON" in out[2]["error"]

