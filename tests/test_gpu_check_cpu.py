@@ -160,7 +160,7 @@ def test_cpu_smoke(tmp_path):
     assert rows["chunked"]["capture_apply_calls"] > 3 * rows["default"]["capture_apply_calls"]
     bench = [b for b in doc["bench"] if (b["model"], b["runner"]) == ("tiny", "v1")]
     assert {(b["workload"], b["n"]) for b in bench} == {
-        (w, n) for w in ("smc", "unique") for n in (4, 16)
+        (w, n) for w in ("smc", "smc_resample", "unique") for n in (4, 16)
     }
     assert all(b["ours_over_generate"] > 0 and b["ours_over_logprobs"] > 0 for b in bench)
     assert (out / "gpu_check_logs.txt").is_file()

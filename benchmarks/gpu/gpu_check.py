@@ -1211,8 +1211,8 @@ class Check:
         L.append("")
         L.append("== benchmark: bench_async.py (rows/s, medians; ours = AsyncVirtualLM) ==")
         head = (
-            f"{'model':<11} {'runner':<6} {'workload':<8} {'N':>5} {'ours':>10} {'generate':>10} "
-            f"{'lp=-1':>8} {'ours/generate':>13} {'ours/lp=-1':>10}"
+            f"{'model':<11} {'runner':<6} {'workload':<12} {'N':>5} {'ours':>10} {'generate':>10} "
+            f"{'decode':>8} {'lp=-1':>8} {'ours/generate':>13} {'ours/decode':>11} {'ours/lp=-1':>10}"
         )
         L.append(head)
         L.append("-" * len(head))
@@ -1235,8 +1235,10 @@ class Check:
                     "n": n,
                     "ours": by.get((w, n, "ours")),
                     "generate": by.get((w, n, "ceiling")),
+                    "decode": by.get((w, n, "decode")),
                     "logprobs": by.get((w, n, "logprobs")),
                     "ours_over_generate": ra["ours_over_ceiling"],
+                    "ours_over_decode": ra.get("ours_over_decode"),
                     "ours_over_logprobs": ra["ours_over_logprobs"],
                 }
                 bench_rows.append(row)
@@ -1245,9 +1247,10 @@ class Check:
                     return "-" if x is None else format(x, spec) + suffix
 
                 L.append(
-                    f"{row['model']:<11} {row['runner']:<6} {w:<8} {n:>5} {g(row['ours'], ',.0f'):>10} "
-                    f"{g(row['generate'], ',.0f'):>10} {g(row['logprobs'], ',.0f'):>8} "
-                    f"{g(row['ours_over_generate'], '.2f', 'x'):>13} "
+                    f"{row['model']:<11} {row['runner']:<6} {w:<12} {n:>5} {g(row['ours'], ',.0f'):>10} "
+                    f"{g(row['generate'], ',.0f'):>10} {g(row['decode'], ',.0f'):>8} "
+                    f"{g(row['logprobs'], ',.0f'):>8} {g(row['ours_over_generate'], '.2f', 'x'):>13} "
+                    f"{g(row['ours_over_decode'], '.2f', 'x'):>11} "
                     f"{g(row['ours_over_logprobs'], '.1f', 'x'):>10}{mark}"
                 )
         if not bench:
