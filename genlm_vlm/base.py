@@ -58,17 +58,19 @@ def as_token_ids(token_ids: Any, what: str, vocab_size: int) -> tuple[int, ...]:
             raise TypeError(f"{what} must hold integers, got dtype {token_ids.dtype}")
         ids = tuple(int(t) for t in token_ids.tolist())
     elif isinstance(token_ids, Sequence):
-        out = []
-        for i, t in enumerate(token_ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
-            out.append(int(t))
-        ids = tuple(out)
+        ids = tuple(token_ids)
+        if ids and set(map(type, ids)) != {int}:  # the common case costs one C-level pass
+            out = []
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
+                out.append(int(t))
+            ids = tuple(out)
     else:
         raise TypeError(f"{what} must be a sequence of int token ids, got {type(token_ids).__name__}")
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{what} holds token id {t} at index {i}, outside the vocabulary [0, {vocab_size})")
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise ValueError(f"{what} holds token id {t} at index {i}, outside the vocabulary [0, {vocab_size})")
     return ids
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import AsyncLM, ContextLimitWarning, TokenIds
+from .base import AsyncLM, ContextLimitWarning, TokenIds, as_token_ids
 from .batching import AutoBatcher
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, make_lora_request, wait_all
@@ -242,35 +242,9 @@ class AsyncVirtualLM(AsyncLM):
 
     def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
         """Validate one prompt; returns it as a tuple of Python ints."""
-        if isinstance(token_ids, (str, bytes)):
-            raise TypeError(f"{what} must be a sequence of token ids, got {type(token_ids).__name__}; use lm.tokenizer.encode(text)")
-        if isinstance(token_ids, torch.Tensor | np.ndarray):
-            if token_ids.ndim != 1:
-                raise ValueError(f"{what} must be 1-D, got shape {tuple(token_ids.shape)}")
-            if isinstance(token_ids, torch.Tensor):
-                integer = not (token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool)
-            else:
-                integer = np.issubdtype(token_ids.dtype, np.integer)
-            if not integer:
-                raise TypeError(f"{what} must hold integers, got dtype {token_ids.dtype}")
-            ids = tuple(token_ids.tolist())
-        elif isinstance(token_ids, Sequence):
-            ids = tuple(token_ids)
-            if ids and set(map(type, ids)) != {int}:  # the common case costs one C-level pass
-                converted = []
-                for i, t in enumerate(ids):
-                    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                        raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
-                    converted.append(int(t))
-                ids = tuple(converted)
-        else:
-            raise TypeError(f"{what} must be a sequence of int token ids, got {type(token_ids).__name__}")
+        ids = as_token_ids(token_ids, what, self._vocab_size)
         if not ids:
             raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self._vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{what} holds token id {bad} at index {ids.index(bad)}, outside the vocabulary [0, {self._vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
