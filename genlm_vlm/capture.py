@@ -27,12 +27,15 @@ This module holds no engine code.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .rowring import RING_ENV
 
 TAG_KEY = "genlm_vlm_tag"
 """Key in ``SamplingParams.extra_args`` whose value (a str) marks a request for capture."""
@@ -78,6 +81,22 @@ class CaptureSink:
     def pop(self, tag: str) -> torch.Tensor | None:
         return self.rows.pop(tag, None)
 
+    remote: Any = None
+    """A :class:`~genlm_vlm.rowring.RowRing` when the capture runs in tensor-parallel worker
+    processes (rows arrive through it), else None."""
+
+    def collect(self) -> None:
+        """Bring rows written by worker processes since the last call into :attr:`rows`.
+
+        Called by the engine thread after every engine step; a no-op for an in-process capture.
+        """
+        ring = self.remote
+        if ring is not None:
+            n = ring.drain(self.rows)
+            if n:
+                self.rows_captured += n
+                self.apply_calls = ring.apply_calls
+
     def discard(self, tags: list[str]) -> None:
         for tag in tags:
             self.rows.pop(tag, None)
@@ -104,6 +123,11 @@ def binding_sink(sink: CaptureSink) -> Iterator[CaptureSink]:
 
 def _claim_sink(processor: Any) -> CaptureSink:
     sink = _active_sink
+    if sink is None and os.environ.get(RING_ENV):
+        # In a tensor-parallel worker process: rank 0 writes rows to the engine's shared ring.
+        from .rowring import RingWriterSink
+
+        return RingWriterSink(os.environ[RING_ENV])  # type: ignore[return-value]
     if sink is None:
         # Built outside genlm_vlm's engine builder (e.g. a user passing the class to their own
         # LLM): still works, rows go to a private sink reachable as ``processor.sink``.

