@@ -208,3 +208,21 @@ def test_unsupported_parallel_options_fail_before_the_engine(opts, match):
     with pytest.raises(ValueError, match=match):
         _check_engine_opts(opts)
     _check_engine_opts({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+
+
+def test_failed_tp_build_from_a_script_says_to_add_the_main_guard(monkeypatch):
+    import sys
+    import types
+
+    from genlm_vlm.engine.build import _add_tp_hint
+
+    script = types.ModuleType("__main__")
+    script.__file__ = "/somewhere/run_smc.py"
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    err = Exception("WorkerProc initialization failed")
+    _add_tp_hint(err)
+    assert any('if __name__ == "__main__":' in note for note in err.__notes__)
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a REPL / notebook
+    quiet = Exception("other")
+    _add_tp_hint(quiet)
+    assert not getattr(quiet, "__notes__", None)
