@@ -33,13 +33,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import logs
 from .cli import add_verbosity_options, verbosity_of
+
+if TYPE_CHECKING:  # numpy and torch are imported where used: `demo --help` stays light
+    import numpy as np
+    import torch
 
 #: Characters the default constraint allows in generated text.
 DEFAULT_ALLOWED_CHARS = "abcdefghijklmnopqrstuvwxyz "
@@ -47,7 +48,7 @@ DEFAULT_PROMPT = "the"
 #: The demo's ``max_model_len`` unless ``--engine-opt max_model_len=N`` is given.
 DEFAULT_MAX_MODEL_LEN = 512
 
-NextLogprobs = Callable[[list[int]], Awaitable[torch.Tensor]]
+NextLogprobs = Callable[[list[int]], Awaitable["torch.Tensor"]]
 
 
 def default_model_path() -> str:
@@ -93,6 +94,8 @@ class CharSetConstraint:
                 "the allowed character set is empty: give the characters generated text may use, "
                 "e.g. 'abc '"
             )
+        import torch
+
         self.allowed = allowed
         chars = set(allowed)
         mask = torch.zeros(len(byte_vocab), dtype=torch.bool)
@@ -160,6 +163,8 @@ class RegexConstraint:
         cached = self._cache.get(generated)
         if cached is not None:
             return cached
+        import torch
+
         text = generated.decode("utf-8", errors="replace")
         mask = torch.zeros(self._size, dtype=torch.bool)
         fullmatch = self._re.fullmatch
@@ -200,6 +205,8 @@ def constrained_step(row: torch.Tensor, mask: torch.Tensor) -> tuple[float, torc
     log-probabilities ``row - log_mass`` on allowed tokens, ``-inf`` elsewhere (None when the
     mass is zero).
     """
+    import torch
+
     masked = row.float().masked_fill(~mask, float("-inf"))
     log_mass = float(torch.logsumexp(masked, dim=0))
     if not math.isfinite(log_mass):
@@ -209,6 +216,8 @@ def constrained_step(row: torch.Tensor, mask: torch.Tensor) -> tuple[float, torc
 
 def normalized_weights(log_weights: Sequence[float]) -> np.ndarray:
     """``exp(log_weights)`` normalised to sum to 1 (all zero if every weight is zero)."""
+    import numpy as np
+
     lw = np.asarray(log_weights, dtype=np.float64)
     top = np.max(lw) if lw.size else -np.inf
     if not np.isfinite(top):
@@ -219,6 +228,8 @@ def normalized_weights(log_weights: Sequence[float]) -> np.ndarray:
 
 def log_mean_exp(log_weights: Sequence[float]) -> float:
     """``log(mean(exp(log_weights)))``, stably."""
+    import numpy as np
+
     lw = np.asarray(log_weights, dtype=np.float64)
     top = np.max(lw)
     if not np.isfinite(top):
@@ -229,12 +240,14 @@ def log_mean_exp(log_weights: Sequence[float]) -> float:
 def effective_sample_size(log_weights: Sequence[float]) -> float:
     """``1 / sum(w_i^2)`` of the normalised weights (0 when every weight is zero)."""
     w = normalized_weights(log_weights)
-    s = float(np.sum(w * w))
+    s = float((w * w).sum())
     return 1.0 / s if s > 0 else 0.0
 
 
 def systematic_resample(weights: np.ndarray, rng: np.random.Generator) -> list[int]:
     """Ancestor indices by systematic resampling of normalised ``weights`` (one uniform draw)."""
+    import numpy as np
+
     n = len(weights)
     positions = (rng.random() + np.arange(n)) / n
     cumulative = np.cumsum(weights)
@@ -290,6 +303,9 @@ async def run_smc(
     """
     if n_particles < 1 or max_tokens < 1:
         raise ValueError("n_particles and max_tokens must be >= 1")
+    import numpy as np
+    import torch
+
     rng = rng if rng is not None else np.random.default_rng()
     prompt = list(prompt_ids)
     particles = [Particle() for _ in range(n_particles)]
@@ -611,13 +627,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -> int:
+    import numpy as np
+
     from .vllm_lm import AsyncVirtualLM
 
     verbose = logs.vllm_log_level() <= logging.INFO
     progress = not (args.no_progress or args.quiet)
     t0 = time.perf_counter()
-    quiet_load = {} if verbose else {"use_tqdm_on_load": False}  # vLLM's weight-loading bar
-    engine_opts = {**default_engine_opts(), **quiet_load, **user_opts}
+    # vLLM's weight-loading bar is off unless verbose: engine.build_llm decides (as for the API)
+    engine_opts = {**default_engine_opts(), **user_opts}
     try:
         lm = AsyncVirtualLM.from_name(model, engine_opts)
     except Exception as e:

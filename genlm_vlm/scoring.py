@@ -75,12 +75,13 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
-
-import torch
+from typing import IO, TYPE_CHECKING, Any
 
 from . import logs
 from .cli import add_verbosity_options, verbosity_of
+
+if TYPE_CHECKING:  # torch is imported where used: `score --help` stays light
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +279,8 @@ class _Scorer:
     def _reduce(self, job: _Job, k: int, row: torch.Tensor) -> None:
         cont = job.continuation or ()
         if k == 0 and job.want_top:
+            import torch
+
             if self._text is None:
                 self._text = _token_text(self.lm)
             values, indices = torch.topk(row, self.top_k)
@@ -485,9 +488,8 @@ def _score_file(args: argparse.Namespace, stdout: IO[str]) -> tuple[int, int] | 
     from .vllm_lm import AsyncVirtualLM
 
     verbose = logs.vllm_log_level() <= logging.INFO
+    # vLLM's weight-loading bar is off unless verbose: engine.build_llm decides (as for the API)
     engine_opts = dict(args.engine_opt)
-    if not verbose:
-        engine_opts.setdefault("use_tqdm_on_load", False)  # vLLM's weight-loading bar
     model = args.model or default_model_path()
     try:
         lm = AsyncVirtualLM.from_name(model, engine_opts)

@@ -226,7 +226,8 @@ def test_quiet_drops_the_progress_bar_and_verbose_shows_vllm(fake_model, capsys)
     model = fake_model({2: 0.5, 3: 0.4, 1: 0.1})
     assert demo.main(["--quiet", "--max-tokens", "2", "--allowed-chars", "ab", "--prompt", "a"]) == 0
     assert capsys.readouterr().err == ""
-    assert model.level == logging.ERROR and model.opts["use_tqdm_on_load"] is False
+    # vLLM's weight-loading bar is build_llm's business (test_build_llm_hides_the_loading_bar...)
+    assert model.level == logging.ERROR and "use_tqdm_on_load" not in model.opts
     model = fake_model({2: 0.5, 3: 0.4, 1: 0.1})
     argv = ["--verbose", "--max-tokens", "2", "--no-progress", "--allowed-chars", "ab", "--prompt", "a"]
     assert demo.main(argv) == 0
@@ -322,7 +323,7 @@ def test_score_quiet_and_verbose(tmp_path, monkeypatch, capsys) -> None:
 
     assert scoring.main([str(src), str(dst), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
-    assert built[-1].level == logging.ERROR and built[-1].opts == {"use_tqdm_on_load": False}
+    assert built[-1].level == logging.ERROR and built[-1].opts == {}
     assert "unknown key 'contination'" in dst.read_text().splitlines()[1]
 
     assert scoring.main([str(src), str(dst), "--verbose", "--no-progress"]) == 0
@@ -406,6 +407,35 @@ def test_logs_verbose_env_and_user_settings(clean_logs, monkeypatch) -> None:
         logs.set_verbosity(True, level="loud")
     with pytest.raises(TypeError, match="True, False or None"):
         logs.set_verbosity("yes")  # type: ignore[arg-type]
+
+
+def test_build_llm_hides_the_loading_bar_unless_verbose(clean_logs, monkeypatch) -> None:
+    """The one place engines are built (CLIs and AsyncVirtualLM.from_name alike) turns vLLM's
+    weight-loading progress bar off while genlm_vlm is quiet; an explicit option wins."""
+    import vllm
+
+    from genlm_vlm.engine import build_llm
+
+    class Built(Exception):
+        pass
+
+    seen: list[dict] = []
+
+    def fake_llm(*args, **kwargs):
+        seen.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    model = demo.default_model_path()
+    for verbose, opts, want in [
+        (None, {}, False),  # the default: quiet
+        (False, {}, False),
+        (True, {}, None),  # vLLM's default: the bar shows
+        (False, {"use_tqdm_on_load": True}, True),  # the caller's choice wins
+    ]:
+        with logs.verbosity(verbose), pytest.raises(Built):
+            build_llm(model, dict(opts))
+        assert seen[-1].get("use_tqdm_on_load") is want, (verbose, opts, seen[-1])
 
 
 def test_vllm_log_goes_to_stderr_quiet_then_verbose() -> None:

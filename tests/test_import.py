@@ -74,6 +74,45 @@ def test_help_does_not_import_vllm_or_torch(how):
     assert not imported & {"vllm", "torch", "transformers", "triton"}, imported
 
 
+HEAVY = ("torch", "vllm", "transformers")
+
+
+@pytest.mark.parametrize(
+    "argv,code",
+    [
+        (["demo", "--help"], 0),
+        (["score", "--help"], 0),
+        (["demo", "--no-such-option"], 2),  # argparse's error
+        (["demo", "--particles", "0"], 2),  # demo's own option check
+        (["score", "no-such-input.jsonl", "-"], 2),
+    ],
+    ids=["demo-help", "score-help", "demo-bad-option", "demo-bad-value", "score-no-input"],
+)
+def test_command_help_and_option_errors_do_not_import_torch(argv, code):
+    """`COMMAND --help` and option errors answer without importing torch, vLLM or transformers
+    (they cost seconds). Counted from sys.modules, not timed."""
+    snippet = (
+        "import sys\n"
+        "from genlm_vlm.cli import main\n"
+        "try:\n"
+        f"    rc = main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    rc = e.code\n"
+        f"print('RC', rc, 'HEAVY', ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.splitlines()[-1].split()
+    assert last[:2] == ["RC", str(code)], proc.stdout + proc.stderr
+    assert last[2:] == ["HEAVY"], f"{argv} imported {last[3:]}"
+    if code == 0:
+        assert "usage: python -m genlm_vlm " + argv[0] in proc.stdout
+    else:
+        assert "error" in proc.stderr
+
+
 def test_console_script_help_does_not_import_vllm():
     script = shutil.which("genlm-vlm", path=str(pathlib.Path(sys.executable).parent))
     if script is None:
