@@ -187,8 +187,12 @@ class RowRing:
             head.release()
         return cls(path, mm, width, capacity, owner=False)
 
-    def write(self, tags: list[str], logits: torch.Tensor, rows: list[int]) -> None:
-        """Write ``log_softmax(logits[r].float())`` for each tagged row into the next free slots."""
+    def write(self, tags: list[str], logits: torch.Tensor, rows: list[int], batched: bool | None = None) -> None:
+        """Write ``log_softmax(logits[r].float())`` for each tagged row into the next free slots.
+
+        ``batched`` (default: the logits are on an accelerator) computes all rows in one kernel
+        and copies them to the ring in one transfer; otherwise each slot is filled in place.
+        """
         h = self.header
         if h[_W_PID] == 0:
             h[_W_PID] = os.getpid()
@@ -200,7 +204,9 @@ class RowRing:
             h[_W_OVERFLOW] += len(tags) - room
             tags, rows = tags[:room], rows[:room]
         mm, off = self._mm, self._tags_off
-        if logits.device.type == "cpu":  # in place in each slot: no temporary
+        if batched is None:
+            batched = logits.device.type != "cpu"
+        if not batched:  # in place in each slot: no temporary
             for k, r in enumerate(rows, start):
                 slot = self.rows[k]
                 slot.copy_(logits[r])

@@ -141,6 +141,22 @@ def test_ring_round_trip_keeps_the_last_row_per_tag():
     assert not os.path.exists(path)
 
 
+def test_ring_batched_write_equals_the_in_place_one():
+    """The accelerator path (one kernel, one transfer into consecutive slots), run on CPU."""
+    ring = RowRing.create(new_ring_path(), width=50, capacity=8)
+    try:
+        writer = RowRing.attach(ring.path)
+        logits = torch.randn(5, 50, dtype=torch.float16)
+        writer.write(["a", "b"], logits, [4, 1])
+        writer.write(["c", "d", "e"], logits, [0, 2, 3], batched=True)
+        rows: dict[str, torch.Tensor] = {}
+        assert ring.drain(rows) == 5
+        for tag, r in zip("abcde", [4, 1, 0, 2, 3], strict=True):
+            torch.testing.assert_close(rows[tag], torch.log_softmax(logits[r].float(), -1))
+    finally:
+        ring.close()
+
+
 def test_ring_counts_rows_it_cannot_hold():
     ring = RowRing.create(new_ring_path(), width=3, capacity=2)
     try:
