@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .base import AsyncLM, ContextLimitWarning, TopK
     from .capture import GlobalLogprobsCapture, GlobalLogprobsCaptureV2
     from .control import without_padding
+    from .demo import demo_model_path
     from .engine.build import VLLMLayoutError
     from .lora import UnknownAdapterError
     from .mock import MockAsyncLM
@@ -35,6 +36,7 @@ _LAZY: dict[str, str] = {
     "MockAsyncLM": ".mock",
     "Token": ".vocab",
     "TopK": ".base",
+    "demo_model_path": ".demo",
     "score_records": ".scoring",
     "without_padding": ".control",
     "AsyncVirtualLM": ".vllm_lm",
@@ -58,6 +60,7 @@ __all__ = [
     "UnknownAdapterError",
     "VLLMLayoutError",
     "__version__",
+    "demo_model_path",
     "load_model_by_name",
     "score_records",
     "without_padding",

@@ -108,8 +108,10 @@ class AsyncLM(ABC):
             declare_stand_in(cls, name)
 
     # ------------------------------------------------------------------ vocabulary
-    # Both vocabularies have exactly ``vocab_size`` entries (the logit width): ids the tokenizer
-    # does not cover map to empty, tokenizer entries beyond the logit width are dropped.
+    # Both vocabularies have exactly ``vocab_size`` entries (the logit width), as rows do: ids the
+    # tokenizer does not cover (padded logit columns) map to empty, tokenizer entries beyond the
+    # logit width are dropped. genlm-bytes needs len(byte_vocab) == row width; genlm-control
+    # takes either; llamppl needs without_padding (see genlm_vlm.control).
     @cached_property
     def _byte_strings(self) -> list[bytes]:
         """Plain bytes of each token id (length = logit width; ids with no token map to ``b""``)."""
@@ -140,8 +142,19 @@ class AsyncLM(ABC):
 
     @cached_property
     def str_vocab(self) -> list[str]:
-        """Text of each token id (see :func:`genlm_vlm.vocab.get_str_vocab`)."""
-        return [b.decode("utf-8", errors="replace") for b in self._byte_strings]
+        """Text of each token id (see :func:`genlm_vlm.vocab.get_str_vocab`): one entry per logit.
+
+        Padded logit columns (ids past the tokenizer) have the empty text, as a
+        :class:`genlm_vlm.vocab.PaddedText` whose indexing error (``text[0]``, as llamppl's
+        ``CachedCausalLM`` does) says to use :func:`genlm_vlm.without_padding`.
+        """
+        from .vocab import PaddedText, unpadded_length
+
+        texts = [b.decode("utf-8", errors="replace") for b in self._byte_strings]
+        n = unpadded_length(texts, self.tokenizer)
+        if n < len(texts):
+            texts[n:] = [PaddedText(n, len(texts))] * (len(texts) - n)
+        return texts
 
     @property
     def vocab_size(self) -> int:

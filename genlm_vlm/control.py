@@ -32,11 +32,21 @@ What makes that work, whatever the import order of genlm_vlm and genlm's package
   :func:`genlm_vlm.engine.build_llm` itself.
 
 Padded logit columns: many models have more logits than tokenizer entries (Qwen2.5: 151936
-logits, 151665 tokens). ``lm.byte_vocab`` has one entry per logit, empty for the padding ids.
-genlm-backend's vocabularies stop at the tokenizer, and genlm-control renormalises rows over
-the vocabulary it is given; llamppl 0.2.3 fails on empty vocabulary strings. For such models
-:func:`without_padding` gives a view of ``lm`` whose vocabulary and rows stop at the last real
-token (rows renormalised), which is what genlm-backend's vLLM backend amounts to.
+logits, 151665 tokens). Rows have one column per logit, and so do ``lm.byte_vocab`` and
+``lm.str_vocab``, with empty entries for the padding ids. With that layout
+
+* genlm-bytes works as it is: its byte trie requires ``len(byte_vocab)`` to equal the row
+  length (genlm-backend 0.3.1's vLLM backend, whose vocabulary stops at the tokenizer while its
+  rows keep the logit width, fails there with ``AssertionError``);
+* genlm-control works as it is (``PromptedLLM`` cuts rows to its vocabulary and renormalises);
+  the padding ids are empty-bytes tokens of its vocabulary, with the tiny probability the model
+  gives them;
+* llamppl 0.2.3 does not: ``CachedCausalLM`` reads the first character of every ``str_vocab``
+  entry. The empty entries are :class:`~genlm_vlm.vocab.PaddedText`, so the ``IndexError`` it
+  raises says what to do: pass :func:`without_padding` ``(lm)``, a view of ``lm`` whose
+  vocabulary and rows stop at the last real token (rows renormalised). (A vocabulary that stops
+  at the tokenizer with rows of full width, genlm-backend's layout, gets past that check but
+  fails later, with ``IndexError`` in ``str_vocab``, whenever a padding id is sampled.)
 """
 
 from __future__ import annotations
@@ -48,21 +58,14 @@ from typing import Any
 import torch
 
 from .base import AsyncLM, TokenIds
+from .vocab import unpadded_length
 
 __all__ = ["UnpaddedLM", "as_genlm_backend", "prompted_llm", "without_padding"]
 
 
 def _known_ids(lm: Any) -> int:
     """Length of ``lm.byte_vocab`` without the trailing ids no token stands for (logit padding)."""
-    vocab = lm.byte_vocab
-    n = len(vocab)
-    try:
-        known = len(lm.tokenizer)
-    except TypeError:  # pragma: no cover - a tokenizer without __len__
-        return n
-    while n > known and vocab[n - 1] == b"":
-        n -= 1
-    return n
+    return unpadded_length(lm.byte_vocab, lm.tokenizer)
 
 
 class UnpaddedLM(AsyncLM):

@@ -51,9 +51,20 @@ DEFAULT_MAX_MODEL_LEN = 512
 NextLogprobs = Callable[[list[int]], Awaitable["torch.Tensor"]]
 
 
-def default_model_path() -> str:
-    """Directory of the small model shipped with the package (``genlm_vlm/data/demo-model``)."""
+def demo_model_path() -> str:
+    """Path of the small model shipped in the package, ``genlm_vlm/data/demo-model``.
+
+    A tiny trained language model (Llama architecture, 2 layers, a 1536-token byte-level BPE
+    tokenizer with ``<s>``/``</s>``; see ``TRAINING.md`` in that directory) that writes
+    English-looking lowercase text. It loads offline, with no download and no Hugging Face hub
+    access: ``AsyncVirtualLM.from_name(genlm_vlm.demo_model_path())``. The demo and the ``score``
+    command use it when no ``--model`` is given. Also available as ``genlm_vlm.demo_model_path``.
+    """
     return str(pathlib.Path(__file__).resolve().parent / "data" / "demo-model")
+
+
+#: The earlier name of :func:`demo_model_path` (the same function).
+default_model_path = demo_model_path
 
 
 # ------------------------------------------------------------------------------------ constraints
@@ -617,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         _error(str(e))
         return 2
-    model = args.model or default_model_path()
+    model = args.model or demo_model_path()
     if args.model is None and not (pathlib.Path(model) / "config.json").is_file():
         _error(f"the shipped demo model is missing from {model}; run scripts/train_demo_model.py")
         return 1

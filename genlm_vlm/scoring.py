@@ -28,6 +28,12 @@ Input record fields:
     pass token ids where the exact split matters.
 ``add_bos`` (optional, default false)
     Prepend ``lm.tokenizer.bos_token_id`` to the prompt (also to a prompt given as ids).
+``lora_name`` (optional)
+    The registered LoRA adapter (``lm.add_new_lora(path, name)``) that scores this record;
+    absent or ``null``: the ``lora_name`` given to :func:`score_records` (default None: the
+    model's default adapter set with ``set_lora``, else the base model). An adapter that is not
+    registered is an error for that record. The ``score`` command registers no adapter, so
+    there a record naming one gets that error.
 ``id`` (optional)
     Copied to the output (``null`` when absent); any JSON value, so other data about the record
     can travel here.
@@ -91,9 +97,9 @@ __all__ = ["default_model_path", "main", "read_jsonl", "score_records"]
 def default_model_path() -> str:
     """The model the ``score`` command loads when ``--model`` is not given: the small model
     shipped in the package (the demo's; see ``genlm_vlm/data/demo-model/TRAINING.md``)."""
-    from .demo import default_model_path as shipped
+    from .demo import demo_model_path
 
-    return shipped()
+    return demo_model_path()
 
 
 # ---------------------------------------------------------------------------------- records
@@ -109,7 +115,7 @@ class RecordError(ValueError):
 
 
 #: The keys a record may have.
-RECORD_KEYS = ("prompt", "continuation", "add_bos", "id")
+RECORD_KEYS = ("prompt", "continuation", "add_bos", "lora_name", "id")
 
 
 def _unknown_keys(record: dict[str, Any]) -> str | None:
@@ -138,6 +144,7 @@ class _Job:
     prompt: tuple[int, ...]
     continuation: tuple[int, ...] | None
     want_top: bool
+    lora_name: str | None = None
     top: list[dict[str, Any]] | None = None
     token_logprobs: list[float] = field(default_factory=list)
     remaining: int = 0
@@ -189,7 +196,22 @@ def _tokens(lm: Any, value: Any, what: str) -> list[Any] | tuple[Any, ...]:
     raise RecordError(f"{what} must be a string or a list of token ids, got {type(value).__name__}")
 
 
-def _prepare(lm: Any, line: int, record: Any, want_top: bool) -> _Job:
+def _check_adapter(lm: Any, lora_name: Any, error: type[Exception]) -> None:
+    """Raise ``error`` unless ``lora_name`` is a str naming an adapter registered on ``lm``."""
+    if not isinstance(lora_name, str) or not lora_name:
+        raise error(f"lora_name must be a non-empty string (a registered adapter's name), got {lora_name!r}")
+    registry = getattr(lm, "_loras", None)
+    if registry is None:  # a model without genlm_vlm's registry: its own calls will tell
+        return
+    try:
+        registry.resolve(lora_name)
+    except ValueError as e:  # UnknownAdapterError
+        if error is RecordError:
+            raise RecordError(str(e)) from None
+        raise
+
+
+def _prepare(lm: Any, line: int, record: Any, want_top: bool, default_lora: str | None = None) -> _Job:
     """Validate one record against ``lm`` and tokenize it; raises :class:`RecordError`."""
     if isinstance(record, InvalidLine):
         raise RecordError(record.message)
@@ -203,6 +225,11 @@ def _prepare(lm: Any, line: int, record: Any, want_top: bool) -> _Job:
     add_bos = record.get("add_bos", False)
     if not isinstance(add_bos, bool):
         raise RecordError(f"add_bos must be true or false, got {add_bos!r}")
+    lora_name = record.get("lora_name")
+    if lora_name is None:
+        lora_name = default_lora
+    else:
+        _check_adapter(lm, lora_name, RecordError)
 
     prompt = list(_tokens(lm, record["prompt"], "prompt"))
     if isinstance(record["prompt"], str) and not prompt and not add_bos:
@@ -224,7 +251,7 @@ def _prepare(lm: Any, line: int, record: Any, want_top: bool) -> _Job:
                 f"prompt + continuation has {total} tokens ({len(prompt_ids)} + {len(continuation)}); "
                 f"this model allows at most {lm.max_model_len} (max_model_len)"
             )
-    job = _Job(line, record.get("id"), prompt_ids, continuation, want_top)
+    job = _Job(line, record.get("id"), prompt_ids, continuation, want_top, lora_name)
     job.token_logprobs = [0.0] * len(continuation or ())
     job.remaining = len(job.prefix_lengths())
     return job
@@ -266,12 +293,15 @@ def _token_text(lm: Any) -> Callable[[int], str]:
 
 # ---------------------------------------------------------------------------------- scoring
 class _Scorer:
-    def __init__(self, lm: Any, top_k: int | None, chunk_size: int) -> None:
+    def __init__(self, lm: Any, top_k: int | None, chunk_size: int, lora_name: str | None = None) -> None:
         if top_k is not None and (type(top_k) is not int or top_k < 0):
             raise ValueError(f"top_k must be a non-negative int or None, got {top_k!r}")
         if type(chunk_size) is not int or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if lora_name is not None:
+            _check_adapter(lm, lora_name, TypeError)
         self.lm = lm
+        self.lora_name = lora_name
         self.top_k = min(top_k or 0, int(lm.vocab_size))
         self.chunk_size = chunk_size
         self._text: Callable[[int], str] | None = None
@@ -293,31 +323,40 @@ class _Scorer:
         job.remaining -= 1
 
     def run(self, work: list[tuple[_Job, int]]) -> None:
-        """Compute the rows of ``work`` (at most ``chunk_size`` prefixes) in one call."""
-        work = [(job, k) for job, k in work if job.error is None]
-        if not work:
-            return
+        """Compute the rows of ``work`` (at most ``chunk_size`` prefixes): one call per adapter."""
+        by_adapter: dict[str | None, list[tuple[_Job, int]]] = {}
+        for job, k in work:
+            if job.error is None:
+                by_adapter.setdefault(job.lora_name, []).append((job, k))
+        for lora_name, group in by_adapter.items():
+            self._run(group, lora_name)
+
+    def _rows(self, prefixes: list[tuple[int, ...]], lora_name: str | None) -> torch.Tensor:
+        return self.lm.batch_next_token_logprobs_sync(prefixes, lora_name=lora_name, chunk_size=self.chunk_size)
+
+    def _run(self, work: list[tuple[_Job, int]], lora_name: str | None) -> None:
         prefixes = [job.prompt + (job.continuation or ())[:k] for job, k in work]
         try:
-            rows = self.lm.batch_next_token_logprobs_sync(prefixes, chunk_size=self.chunk_size)
+            rows = self._rows(prefixes, lora_name)
         except (TypeError, ValueError) as e:
-            # Records were validated one by one, so this should not happen; if the model still
-            # refuses a prompt, redo the chunk record by record so that only that record fails.
+            # Records were validated one by one, so this should not happen (unless an adapter
+            # was removed meanwhile); if the model still refuses a prompt, redo the chunk record
+            # by record so that only that record fails.
             logger.warning("a chunk was refused (%s); scoring its records one at a time", e)
             del prefixes
-            self._run_one_by_one(work)
+            self._run_one_by_one(work, lora_name)
             return
         for (job, k), row in zip(work, rows, strict=True):
             self._reduce(job, k, row)
 
-    def _run_one_by_one(self, work: list[tuple[_Job, int]]) -> None:
+    def _run_one_by_one(self, work: list[tuple[_Job, int]], lora_name: str | None) -> None:
         by_job: dict[int, tuple[_Job, list[int]]] = {}
         for job, k in work:
             by_job.setdefault(id(job), (job, []))[1].append(k)
         for job, ks in by_job.values():
             prefixes = [job.prompt + (job.continuation or ())[:k] for k in ks]
             try:
-                rows = self.lm.batch_next_token_logprobs_sync(prefixes, chunk_size=self.chunk_size)
+                rows = self._rows(prefixes, lora_name)
             except (TypeError, ValueError) as e:
                 job.error = str(e)
                 continue
@@ -347,7 +386,7 @@ class _Scorer:
 
         for line, record in numbered:
             try:
-                job = _prepare(self.lm, line, record, want_top)
+                job = _prepare(self.lm, line, record, want_top, self.lora_name)
             except RecordError as e:
                 rid = record.get("id") if isinstance(record, dict) else None
                 pending.append(_error(rid, line, str(e)))
@@ -368,22 +407,30 @@ def score_records(
     top_k: int | None = 5,
     chunk_size: int = 256,
     show_progress: bool = False,
+    lora_name: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Score ``records`` with ``lm`` (an :class:`~genlm_vlm.AsyncVirtualLM`), lazily, in order.
 
     Each record is a dict with ``prompt`` (text or token ids), optional ``continuation`` (text or
-    token ids), optional ``add_bos`` and optional ``id``; see the module docstring for the exact
-    fields of the results. One result is yielded per record, in input order; a record that
+    token ids), optional ``add_bos``, optional ``lora_name`` and optional ``id``; see the module
+    docstring for the exact fields of the results. One result is yielded per record, in input order; a record that
     cannot be scored (an unknown key among them: see :data:`RECORD_KEYS`) yields
     ``{"id", "line", "error"}`` instead. ``top_k=None`` or ``0`` leaves
     out the ``top_k`` field. At most ``chunk_size`` prefixes go to the engine per call, and
     records are consumed from ``records`` only as fast as they are scored.
 
+    ``lora_name`` scores every record under that registered LoRA adapter, as the model's own
+    methods do (None: the model's default adapter set with ``set_lora``, else the base model); a
+    record's own ``"lora_name"`` key overrides it for that record, and a record naming an
+    adapter that is not registered gets an error result. An unknown ``lora_name`` argument raises
+    :class:`~genlm_vlm.UnknownAdapterError` at the call. Prefixes of different adapters go to
+    the engine in separate calls.
+
     Text goes through ``lm.tokenizer.encode(text, add_special_tokens=False)``. Must be called
     from synchronous code (it uses the blocking API), not from inside a running event loop's
     thread if that loop is also awaiting ``lm``.
     """
-    scorer = _Scorer(lm, top_k, chunk_size)
+    scorer = _Scorer(lm, top_k, chunk_size, lora_name)
     numbered: Iterable[tuple[int, Any]] = enumerate(records, start=1)
     if show_progress:
         from tqdm.auto import tqdm

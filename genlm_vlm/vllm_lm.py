@@ -17,6 +17,7 @@ import inspect
 import logging
 import numbers
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,11 @@ _FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "max_sessions"
 def _check_chunk_sizes(chunk_size: int, min_chunk_size: int) -> None:
     if chunk_size < 1 or min_chunk_size < 1:
         raise ValueError("chunk_size and min_chunk_size must be >= 1")
+
+
+#: Counters of ``stats["sync"]``: blocking calls, the rows they returned, and how each row was
+#: obtained (``rows == cache_hits + dedup_joins + computed`` over the calls that returned).
+_SYNC_STATS = ("calls", "rows", "cache_hits", "dedup_joins", "computed", "engine_calls")
 
 
 def _clone(row: torch.Tensor) -> torch.Tensor:
@@ -116,6 +122,9 @@ class AsyncVirtualLM(AsyncLM):
             deliver=_clone,
             name="logprobs",
         )
+        # Counters of the blocking path (the batchers count the awaited one); see ``stats``.
+        self._sync_lock = threading.Lock()
+        self._sync_stats = dict.fromkeys(_SYNC_STATS, 0)
         self._sample_batcher: AutoBatcher[_SampleRequest, list[int]] = AutoBatcher(
             start=self._start_samples,
             batch_size=batch_size,
@@ -410,7 +419,13 @@ class AsyncVirtualLM(AsyncLM):
         reqs = [self._request(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
         return self._rows_sync(reqs, chunk_size or self.chunk_size, show_progress)
 
+    def _count_sync(self, **counts: int) -> None:
+        with self._sync_lock:
+            for name, n in counts.items():
+                self._sync_stats[name] += n
+
     def _rows_sync(self, reqs: list[_LogprobRequest], chunk_size: int, show_progress: bool) -> torch.Tensor:
+        self._count_sync(calls=1)
         if not reqs:
             return torch.empty((0, self._vocab_size), dtype=torch.float32)
         keys = [self._key(r) for r in reqs]
@@ -424,12 +439,17 @@ class AsyncVirtualLM(AsyncLM):
                 todo[k] = r
             else:
                 found[k] = row
+        hits = len(found)
         if todo:
             rows = self._run_chunked(list(todo.values()), chunk_size, show_progress)
             for k, row in zip(todo, rows, strict=True):
                 self.cache.put(k, row)
                 found[k] = row
-        return torch.stack([found[k] for k in keys])
+        out = torch.stack([found[k] for k in keys])
+        self._count_sync(
+            rows=len(keys), cache_hits=hits, dedup_joins=len(keys) - len(found), computed=len(todo)
+        )
+        return out
 
     def _run_chunked(self, reqs: list[_LogprobRequest], chunk_size: int, show_progress: bool) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -442,6 +462,7 @@ class AsyncVirtualLM(AsyncLM):
         try:
             while len(out) < len(reqs):
                 chunk = reqs[len(out) : len(out) + size]
+                self._count_sync(engine_calls=1)
                 try:
                     # An interrupt (Ctrl-C) cancels the chunk: its requests are aborted.
                     rows = self._compute_rows(chunk)
@@ -549,8 +570,13 @@ class AsyncVirtualLM(AsyncLM):
         session chunks: ``session``; served from the prefix cache: ``cached``; scheduled by the
         engine: ``scheduled``, None unless the engine was built with ``disable_log_stats=False``
         and ``enable_logging_iteration_details=True``), ``logprobs``/``sample`` (batcher
-        counters), ``cache`` (output cache), ``capture_apply_calls``, ``prefix_cache`` (token
-        ``queries`` and ``hits``; None unless ``disable_log_stats=False``).
+        counters of the awaited methods), ``sync`` (the blocking ``next_token_logprobs_sync`` /
+        ``batch_next_token_logprobs_sync``, and what is built on them: ``calls``, ``rows``
+        returned, rows served by the output cache ``cache_hits``, by an identical prompt of the
+        same call ``dedup_joins``, by the engine ``computed``, and ``engine_calls`` made, a chunk
+        retried after out-of-memory counting again), ``cache`` (output cache),
+        ``capture_apply_calls``, ``prefix_cache`` (token ``queries`` and ``hits``; None unless
+        ``disable_log_stats=False``).
         """
         d = self._driver.stats()
         return {
@@ -562,10 +588,15 @@ class AsyncVirtualLM(AsyncLM):
             "tokens": d["tokens"],
             "logprobs": self._logprob_batcher.stats,
             "sample": self._sample_batcher.stats,
+            "sync": self._sync_stats_snapshot(),
             "cache": self.cache.stats(),
             "capture_apply_calls": self._driver.sink.apply_calls,
             "prefix_cache": dict(self._driver.prefix_cache) if self._driver.log_stats else None,
         }
+
+    def _sync_stats_snapshot(self) -> dict[str, int]:
+        with self._sync_lock:
+            return dict(self._sync_stats)
 
     def cleanup(self) -> None:
         """Shut the engine down and free its memory. Idempotent.

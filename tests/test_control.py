@@ -438,11 +438,63 @@ def test_llamppl_needs_without_padding_on_a_padded_model(control, gc):
     from genlm_vlm.mock import MockAsyncLM
 
     lm = MockAsyncLM(vocab_size=300)  # 258 tokens, 42 padded logit columns
-    with pytest.raises(IndexError):  # llamppl 0.2.3's Masks read v[0] of every str_vocab entry
+    # llamppl 0.2.3's Masks read v[0] of every str_vocab entry; the padded entries' error says why
+    with pytest.raises(IndexError, match=r"padded logit column \(ids 258\.\.299 .*without_padding\(lm\)"):
         llamppl.CachedCausalLM(lm)
     cl = llamppl.CachedCausalLM(control.without_padding(lm))
     assert cl.backend == "vllm" and len(cl.str_vocab) == 258
     assert llamppl.CachedCausalLM(MockAsyncLM()).backend == "mock"
+
+
+def test_padded_entries_of_str_vocab_are_empty_text(control):
+    import copy
+    import pickle
+
+    from genlm_vlm.mock import MockAsyncLM
+    from genlm_vlm.vocab import PaddedText
+
+    lm = MockAsyncLM(vocab_size=300)
+    texts = lm.str_vocab
+    assert len(texts) == len(lm.byte_vocab) == lm.vocab_size == 300
+    assert not any(isinstance(t, PaddedText) for t in texts[:258])
+    pad = texts[258]
+    assert all(t is pad for t in texts[258:]) and isinstance(pad, str)
+    assert pad == "" and hash(pad) == hash("") and len(pad) == 0 and not pad and pad[:3] == ""
+    assert json.dumps(texts[257:259]) == json.dumps([texts[257], ""])
+    assert pickle.loads(pickle.dumps(pad)) == "" and copy.deepcopy(pad) == ""
+    with pytest.raises(IndexError, match="without_padding"):
+        pad[0]
+    assert not any(isinstance(t, PaddedText) for t in MockAsyncLM().str_vocab)  # nothing padded
+    view = control.without_padding(lm)
+    assert view.str_vocab == texts[:258] and not any(isinstance(t, PaddedText) for t in view.str_vocab)
+
+
+async def test_a_padded_model_works_with_genlm_control_and_genlm_bytes_as_it_is(gc):
+    """Rows, byte_vocab and str_vocab all have the logit width: genlm-bytes needs
+    len(byte_vocab) == row length (genlm-backend 0.3.1's vLLM layout, vocabulary cut at the
+    tokenizer, fails there), and genlm-control cuts rows to its vocabulary."""
+    from genlm.bytes import BeamParams, ByteBeamState
+
+    from genlm_vlm.mock import MockAsyncLM
+
+    lm = MockAsyncLM(vocab_size=300, logit_scale=1.0)  # 258 tokens, 42 padded columns
+    row = await lm.next_token_logprobs([0])
+    assert row.shape == (300,) and len(lm.byte_vocab) == 300
+
+    llm = gc.PromptedLLM(lm, prompt_ids=[0], eos_byte_strings=[b"."])
+    logws = torch.as_tensor((await llm.logw_next([])).weights)
+    assert torch.allclose(logws, _expected_logws(llm, row), atol=1e-5)
+    condition = gc.BoolFSA.from_regex(r"[a-z ]+").coerce(llm, f=b"".join)
+    np.random.seed(0)
+    sequences = await gc.AWRS(llm, condition, seed=0).smc(n_particles=3, ess_threshold=0.5, max_tokens=4)
+    assert len(sequences) == 3
+
+    beam = await ByteBeamState.initial(lm, BeamParams(K=3, eos_byte_strings=[b"."], heal=False))
+    try:
+        beam = await (beam << ord("a"))
+        assert len(beam) > 0
+    finally:
+        await beam.cleanup()
 
 
 def test_as_genlm_backend_is_deprecated(control, llama_lm):

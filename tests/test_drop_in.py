@@ -40,6 +40,23 @@ async def test_score_matches_the_rows_and_score_records(llama_lm):
     assert await lm.score(prompt, []) == 0.0
 
 
+async def test_sync_calls_are_counted_apart_from_awaits(llama_lm):
+    lm = llama_lm
+    lm.clear_cache()
+    before, awaited = lm.stats["sync"], lm.stats["logprobs"]["requests"]
+    rows = lm.batch_next_token_logprobs_sync([[5, 6, 7], [5, 6, 8], [5, 6, 7]])  # one duplicate
+    assert torch.equal(lm.next_token_logprobs_sync([5, 6, 8]), rows[1])  # from the output cache
+    assert lm.batch_next_token_logprobs_sync([]).shape == (0, lm.vocab_size)
+    lm.batch_next_token_logprobs_sync([[9, 1], [9, 2], [9, 3]], chunk_size=2)  # two engine calls
+    after = lm.stats["sync"]
+    assert {k: after[k] - before[k] for k in after} == {
+        "calls": 4, "rows": 7, "cache_hits": 1, "dedup_joins": 1, "computed": 5, "engine_calls": 3,
+    }
+    assert lm.stats["logprobs"]["requests"] == awaited  # the awaited path's counters are apart
+    await lm.next_token_logprobs([5, 6, 9])
+    assert lm.stats["sync"] == after and lm.stats["logprobs"]["requests"] == awaited + 1
+
+
 async def test_concurrent_scores_share_engine_calls(llama_lm):
     lm = llama_lm
     prompt = [lm.tokenizer.bos_token_id, *_ids(lm, "import sys")]

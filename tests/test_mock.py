@@ -132,6 +132,7 @@ def test_custom_byte_vocabulary_with_duplicates_and_padding():
     vocab = [b"<s>", b"</s>", b"a", b"b", b"ab", b"\n", b"\n"]
     lm = MockAsyncLM(byte_vocab=vocab, bos_token_id=0, eos_token_id=1, vocab_size=9)
     assert lm.vocab_size == 9 and len(lm.byte_vocab) == 9 and lm.byte_vocab[7:] == [b"", b""]
+    assert len(lm.str_vocab) == 9 and lm.str_vocab[5:] == ["\n", "\n", "", ""]
     assert lm.byte_vocab[5] == b"\n" and lm.byte_vocab[5] != lm.byte_vocab[6]
     assert len(set(lm.byte_vocab)) == 9
     assert lm.tokenizer.encode("aab\n") == [2, 4, 5]  # greedy longest match, first duplicate

@@ -318,12 +318,111 @@ def test_errors_alone_are_streamed(llama_lm):
     assert consumed <= 4
 
 
+# ------------------------------------------------------------------------------ LoRA
+@pytest.fixture(scope="module")
+def score_lora_lm(model_paths, tmp_path_factory):
+    """The LoRA engine of test_lora.py (shared when both run) with one more adapter of its own."""
+    pytest.importorskip("peft")
+    from conftest import _engine
+    from test_lora import LORA_OPTS, _make_adapter
+
+    path = _make_adapter(model_paths["llama"], tmp_path_factory.mktemp("score-lora") / "adapter", seed=5)
+    lm = _engine(model_paths["llama"], LORA_OPTS)
+    lm.add_new_lora(path, "score-a")
+    yield lm
+    lm.remove_lora("score-a")
+
+
+LORA_RECORDS = [{"id": i, "prompt": [5, 6, 20 + i], "continuation": [7, 8, 30 + i, 9]} for i in range(4)]
+
+
+def test_lora_name_scores_every_record_under_the_adapter(score_lora_lm):
+    lm = score_lora_lm
+    base = list(score_records(lm, LORA_RECORDS, top_k=3))
+    tuned = list(score_records(lm, LORA_RECORDS, top_k=3, lora_name="score-a"))
+    for r, b, a in zip(LORA_RECORDS, base, tuned, strict=True):
+        assert a["continuation_logprob"] == pytest.approx(
+            lm.score_sync(r["prompt"], r["continuation"], lora_name="score-a"), abs=1e-5
+        )
+        expected = lm.continuation_logprobs_sync(r["prompt"], r["continuation"], lora_name="score-a").tolist()
+        assert a["token_logprobs"] == pytest.approx(expected, abs=1e-5)
+        top = lm.next_token_topk_sync(r["prompt"], 3, lora_name="score-a")
+        assert [t["token_id"] for t in a["top_k"]] == top.token_ids.tolist()
+        assert b["continuation_logprob"] == pytest.approx(lm.score_sync(r["prompt"], r["continuation"]), abs=1e-5)
+        # the adapter really changes the rows
+        assert max(abs(x - y) for x, y in zip(a["token_logprobs"], b["token_logprobs"], strict=True)) > 0.1
+
+
+def test_a_record_lora_name_overrides_the_argument(score_lora_lm):
+    lm = score_lora_lm
+    base = list(score_records(lm, LORA_RECORDS, top_k=2))
+    tuned = list(score_records(lm, LORA_RECORDS, top_k=2, lora_name="score-a"))
+    mixed = [{**r, "lora_name": "score-a"} if i % 2 else r for i, r in enumerate(LORA_RECORDS)]
+    spy = Spy(lm)
+    lm.clear_cache()  # the rows of both adapters are computed within the same chunks
+    for i, result in enumerate(score_records(spy, mixed, top_k=2, chunk_size=6)):
+        _approx(result, tuned[i] if i % 2 else base[i])
+    assert max(spy.calls) <= 6
+    # the argument applies to records without the key; "lora_name": null means the same
+    null = [{**r, "lora_name": None} for r in LORA_RECORDS]
+    for result, expected in zip(score_records(lm, null, top_k=2, lora_name="score-a"), tuned, strict=True):
+        _approx(result, expected)
+
+
+def test_lora_name_errors(score_lora_lm):
+    from genlm_vlm import UnknownAdapterError
+
+    lm = score_lora_lm
+    records = [
+        {"id": "ok", "prompt": [5, 6], "lora_name": "score-a"},
+        {"id": "unknown", "prompt": [5, 6], "lora_name": "nope"},
+        {"id": "type", "prompt": [5, 6], "lora_name": 3},
+        {"id": "empty", "prompt": [5, 6], "lora_name": ""},
+        {"id": "typo", "prompt": [5, 6], "lora_nmae": "score-a"},
+    ]
+    ok, unknown, type_, empty, typo = score_records(lm, records)
+    assert "error" not in ok
+    assert "unknown LoRA adapter 'nope'" in unknown["error"]
+    assert "lora_name must be a non-empty string" in type_["error"] and "3" in type_["error"]
+    assert "lora_name must be a non-empty string" in empty["error"]
+    assert "unknown key 'lora_nmae' (did you mean 'lora_name'?)" in typo["error"]
+    with pytest.raises(UnknownAdapterError, match="nope"):  # at the call, before any record is read
+        score_records(lm, iter(()), lora_name="nope")
+    with pytest.raises(TypeError, match="lora_name"):
+        score_records(lm, [], lora_name=3)
+
+
+def test_a_record_naming_an_adapter_on_a_model_without_lora(llama_lm):
+    (result,) = score_records(llama_lm, [{"prompt": [5, 6], "lora_name": "a"}])
+    assert "unknown LoRA adapter 'a'" in result["error"]
+
+
 # ------------------------------------------------------------------------------ CLI
 def test_default_model_path_is_the_shipped_model():
     from genlm_vlm.demo import default_model_path as shipped
 
     assert default_model_path() == shipped()
     assert (Path(default_model_path()) / "model.safetensors").is_file()
+
+
+def test_demo_model_path_is_exported_and_light():
+    import genlm_vlm
+    from genlm_vlm import demo
+
+    assert genlm_vlm.demo_model_path is demo.demo_model_path is demo.default_model_path
+    assert "demo_model_path" in genlm_vlm.__all__ and "demo_model_path" in dir(genlm_vlm)
+    assert "loads offline" in genlm_vlm.demo_model_path.__doc__
+    path = Path(genlm_vlm.demo_model_path())
+    assert path == (Path(genlm_vlm.__file__).resolve().parent / "data" / "demo-model")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in path.iterdir()}
+    code = (
+        "import sys, genlm_vlm\n"
+        "print(genlm_vlm.demo_model_path())\n"
+        "print(sorted({'torch', 'vllm', 'transformers'} & set(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [str(path), "[]"]
 
 
 def test_parse_engine_opt():

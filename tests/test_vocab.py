@@ -24,6 +24,7 @@ from genlm_vlm.vocab import (  # noqa: E402
     get_byte_vocab,
     get_str_vocab,
     unicode_to_bytes,
+    unpadded_length,
 )
 
 SPIECE = "\u2581"
@@ -413,6 +414,16 @@ def test_pad_to(byte_level_tok: PreTrainedTokenizerFast) -> None:
         get_byte_vocab(byte_level_tok, pad_to=n - 1)
     strs = get_str_vocab(byte_level_tok, pad_to=n + 3)
     assert len(strs) == n + 3 and strs[n:] == ["", "", ""]
+
+
+def test_unpadded_length(byte_level_tok: PreTrainedTokenizerFast) -> None:
+    n = len(byte_level_tok)
+    assert unpadded_length(get_byte_vocab(byte_level_tok, pad_to=n + 37), byte_level_tok) == n
+    assert unpadded_length(get_str_vocab(byte_level_tok, pad_to=n + 3), byte_level_tok) == n
+    assert unpadded_length(get_byte_vocab(byte_level_tok), byte_level_tok) == n
+    assert unpadded_length([b"a", b"", b"", b"x", b""], [0, 0]) == 4  # only trailing empties
+    assert unpadded_length([b"a", b""], [0, 0]) == 2  # an empty entry inside the tokenizer stays
+    assert unpadded_length([b"a", b""], object()) == 2  # no len(tokenizer): nothing is cut
 
 
 def test_str_vocab(byte_level_tok: PreTrainedTokenizerFast) -> None:
