@@ -106,10 +106,9 @@ import asyncio
 import contextlib
 import math
 
-from genlm_vlm import AsyncVirtualLM
-from genlm_vlm.demo import default_model_path
+from genlm_vlm import AsyncVirtualLM, demo_model_path
 
-model_path = default_model_path()  # the model shipped in the package: genlm_vlm/data/demo-model
+model_path = demo_model_path()  # the model shipped in the package: genlm_vlm/data/demo-model
 engine_opts = {
     "dtype": "float32",
     "max_model_len": 512,
