@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .engine.build import VLLMLayoutError
     from .lora import UnknownAdapterError
     from .mock import MockAsyncLM
+    from .replicas import ReplicaDiedError, ReplicaPool
     from .scoring import score_records
     from .vllm_lm import AsyncVirtualLM, ClosedError
     from .vocab import Token
@@ -45,6 +46,8 @@ _LAZY: dict[str, str] = {
     "GlobalLogprobsCaptureV2": ".capture",
     "UnknownAdapterError": ".lora",
     "VLLMLayoutError": ".engine.build",
+    "ReplicaPool": ".replicas",
+    "ReplicaDiedError": ".replicas",
 }
 
 __all__ = [
@@ -55,6 +58,8 @@ __all__ = [
     "GlobalLogprobsCapture",
     "GlobalLogprobsCaptureV2",
     "MockAsyncLM",
+    "ReplicaDiedError",
+    "ReplicaPool",
     "Token",
     "TopK",
     "UnknownAdapterError",

@@ -1,0 +1,368 @@
+"""The pool's actor calls: launching and collecting them, failure handling, LoRA, lifecycle.
+
+A mixin of :class:`~.pool.ReplicaPool` (kept apart so each file stays readable). Threading: the
+router and the batcher's futures are thread-safe; completions of async row calls arrive on a Ray
+thread and reach the event loop through the batcher's mailbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import functools
+import logging
+import numbers
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..vllm_lm import ClosedError
+from . import launch
+from .routing import ReplicaDiedError
+
+logger = logging.getLogger(__name__)
+
+
+def _settle(fut: cf.Future, value: Any = None, exc: BaseException | None = None) -> None:
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+    except cf.InvalidStateError:  # cancelled by its awaiters meanwhile
+        pass
+
+
+class _RowCall:
+    """One actor call of rows; cancelled (``ray.cancel``) once all its futures are."""
+
+    __slots__ = ("futs", "gen", "pending", "ray", "ref", "replica")
+
+    def __init__(self, ray: Any, replica: int, gen: int, ref: Any, futs: list[cf.Future]) -> None:
+        self.ray, self.replica, self.gen, self.ref, self.futs = ray, replica, gen, ref, futs
+        self.pending = len(futs)
+
+    def on_future_done(self, fut: cf.Future) -> None:
+        if not fut.cancelled():
+            return
+        self.pending -= 1
+        if self.pending == 0:
+            try:
+                self.ray.cancel(self.ref)
+            except Exception:  # noqa: BLE001 - the call may be over already
+                pass
+
+
+class CallMixin:
+    """Everything that talks to the actors (see :class:`~.pool.ReplicaPool`)."""
+
+    _ray: Any
+    _actors: list[Any]
+    _router: Any
+    _batcher: Any
+    _closed: bool
+    _vocab_size: int
+
+    # ------------------------------------------------------------------ errors
+    def _translate(self, exc: BaseException, replica: int, gen: int) -> BaseException:
+        """The error an awaiter of a failed call to ``replica`` gets."""
+        ray = self._ray
+        if self._closed:
+            return ClosedError("this ReplicaPool was cleaned up while the call was pending")
+        if isinstance(exc, ray.exceptions.TaskCancelledError):
+            return asyncio.CancelledError()
+        if isinstance(exc, ray.exceptions.RayActorError):
+            if self._router.mark_dead(replica, gen):
+                logger.warning("genlm_vlm: replica %d died (%s); routing to the others", replica, type(exc).__name__)
+            live = self._router.live_replicas()
+            detail = str(exc).strip().splitlines()
+            err = ReplicaDiedError(
+                f"replica {replica} of the ReplicaPool died while this call was in flight "
+                f"({type(exc).__name__}: {detail[0] if detail else ''}). The pool goes on with "
+                f"{'replicas ' + str(live) if live else 'no live replica'}; "
+                f"pool.restart_replica({replica}) starts a fresh one.",
+                replica,
+            )
+            err.__cause__ = exc
+            return err
+        return launch.unwrap(ray, exc)
+
+    def _actor_for(self, replica: int, gen: int) -> Any:
+        if self._router.generation(replica) != gen:
+            raise ReplicaDiedError(f"replica {replica} was restarted or died while this call was routed", replica)
+        return self._actors[replica]
+
+    def _remote(self, replica: int, method: str, *args: Any) -> Any:
+        """``actor.method.remote(*args)``, or the exception that raised."""
+        try:
+            return getattr(self._actors[replica], method).remote(*args)
+        except BaseException as e:  # noqa: BLE001 - reported to the call's waiters
+            return e
+
+    # ------------------------------------------------------------------ async rows
+    def _launch_rows(self, replica: int, gen: int, lora: str | None, ids: list[tuple[int, ...]],
+                     futs: list[cf.Future]) -> None:
+        try:
+            ref = self._actor_for(replica, gen).logprobs.remote(ids, lora)
+        except BaseException as e:  # noqa: BLE001
+            self._router.done(replica, gen, len(futs), failed=True)
+            err = self._translate(e, replica, gen)
+            for f in futs:
+                _settle(f, exc=err)
+            return
+        call = _RowCall(self._ray, replica, gen, ref, futs)
+        for f in futs:
+            f.add_done_callback(call.on_future_done)
+        ref.future().add_done_callback(functools.partial(self._finish_rows, call))
+
+    def _finish_rows(self, call: _RowCall, done: cf.Future) -> None:
+        """A row call ended (Ray thread): one row per future, or the error to all of them."""
+        try:
+            rows = done.result()
+            if len(rows) != len(call.futs) or any(r.shape != (self._vocab_size,) for r in rows):
+                raise RuntimeError(f"replica {call.replica} returned {len(rows)} rows for {len(call.futs)} queries")
+        except BaseException as e:  # noqa: BLE001 - handed to this call's awaiters
+            self._router.done(call.replica, call.gen, len(call.futs), failed=True)
+            err = self._translate(e, call.replica, call.gen)
+            for f in call.futs:
+                _settle(f, exc=err)
+            return
+        self._router.done(call.replica, call.gen, len(call.futs))
+        for f, row in zip(call.futs, rows, strict=True):
+            _settle(f, row)
+
+    # ------------------------------------------------------------------ blocking calls
+    def _gather_sync(self, calls: list[tuple[int, int, Any, Any]]) -> list[tuple[int, int, Any, Any]]:
+        """Wait for every ``(replica, gen, idx, ref)`` call; returns ``(replica, gen, idx,
+        result)`` of each, or raises the first error once all are over. Ctrl-C cancels them."""
+        ray = self._ray
+        out, error, pending = [], None, list(calls)
+        try:
+            while pending:
+                replica, gen, idx, ref = pending[0]
+                try:
+                    if isinstance(ref, BaseException):
+                        raise ref
+                    value = ray.get(ref)
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:  # noqa: BLE001
+                    pending.pop(0)
+                    self._router.done(replica, gen, len(idx), failed=True)
+                    error = error or self._translate(e, replica, gen)
+                    continue
+                pending.pop(0)
+                self._router.done(replica, gen, len(idx))
+                out.append((replica, gen, idx, value))
+        except KeyboardInterrupt:
+            for replica, gen, idx, ref in pending:
+                self._router.done(replica, gen, len(idx), failed=True)
+                if not isinstance(ref, BaseException):
+                    try:
+                        ray.cancel(ref)
+                    except Exception:  # noqa: BLE001
+                        pass
+            raise
+        if error is not None:
+            raise error
+        return out
+
+    def _call_live(self, method: str, *args: Any) -> dict[int, Any]:
+        """``method(*args)`` on every live replica at once; ``{replica: result}``."""
+        self._check_open()  # type: ignore[attr-defined]
+        calls = []
+        for i in self._router.live_replicas():
+            calls.append((i, self._router.generation(i), (), self._remote(i, method, *args)))
+        ray, out, error = self._ray, {}, None
+        for i, gen, _, ref in calls:
+            try:
+                if isinstance(ref, BaseException):
+                    raise ref
+                out[i] = ray.get(ref)
+            except BaseException as e:  # noqa: BLE001
+                error = error or self._translate(e, i, gen)
+        if error is not None:
+            raise error
+        return out
+
+    # ------------------------------------------------------------------ async calls
+    async def _await_call(self, replica: int, gen: int, n: int, method: str, *args: Any) -> Any:
+        ok = False
+        try:
+            ref = getattr(self._actor_for(replica, gen), method).remote(*args)
+        except BaseException as e:  # noqa: BLE001
+            self._router.done(replica, gen, n, failed=True)
+            raise self._translate(e, replica, gen) from None
+        try:
+            value = await asyncio.wrap_future(ref.future())
+            ok = True
+            return value
+        except asyncio.CancelledError:
+            try:
+                self._ray.cancel(ref)
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        except BaseException as e:  # noqa: BLE001
+            raise self._translate(e, replica, gen) from None
+        finally:
+            self._router.done(replica, gen, n, failed=not ok)
+
+    # ------------------------------------------------------------------ LoRA
+    def add_new_lora(self, lora_path: str | os.PathLike[str], lora_name: str = "lora_1") -> None:
+        """Register the adapter on every live replica (and on replicas restarted later)."""
+        self._check_open()  # type: ignore[attr-defined]
+        if not self.engine_info.lora_enabled:  # type: ignore[attr-defined]
+            raise ValueError(
+                "this pool's engines were built without LoRA support: pass engine_opts={'enable_lora': "
+                "True, 'max_lora_rank': R} (R >= the adapter's rank) to ReplicaPool.from_name"
+            )
+        loras = self._loras  # type: ignore[attr-defined]
+        adapter = loras.new(lora_name, lora_path)
+        old = loras.resolve(lora_name) if lora_name in loras.names() else None
+        try:
+            self._call_live("add_lora", adapter.path, lora_name)
+        except BaseException:
+            # replicas that took the new weights go back to the old ones (or drop the name)
+            for i in self._router.live_replicas():
+                try:
+                    if old is None:
+                        self._ray.get(self._actors[i].remove_lora.remote(lora_name))
+                    else:
+                        self._ray.get(self._actors[i].add_lora.remote(old.path, lora_name))
+                except Exception:  # noqa: BLE001 - best effort
+                    logger.warning("could not roll back LoRA %r on replica %d", lora_name, i)
+            raise
+        loras.commit(adapter)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister ``lora_name`` on every replica. Unknown name: ``UnknownAdapterError``."""
+        self._check_open()  # type: ignore[attr-defined]
+        self._loras.remove(lora_name)  # type: ignore[attr-defined]
+        self._call_live("remove_lora", lora_name)
+
+    def set_lora(self, lora_path: str | os.PathLike[str] | None = None, lora_name: str = "lora_1") -> None:
+        """Make ``lora_name`` the default adapter (registering it first when ``lora_path`` is given)."""
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self._loras.set_default(lora_name)  # type: ignore[attr-defined]
+
+    def clear_lora(self) -> None:
+        """Calls with ``lora_name=None`` use the base model again."""
+        self._loras.set_default(None)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ housekeeping
+    def warm_up(self, prefix_token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
+        """Prime every live replica's prefix cache with a shared prompt; returns its row."""
+        q = self._query(prefix_token_ids, lora_name)  # type: ignore[attr-defined]
+        rows = self._call_live("logprobs_sync", [q.ids], q.lora, 1)
+        return torch.from_numpy(np.array(rows[min(rows)][0], dtype=np.float32))
+
+    def clear_cache(self) -> None:
+        """Every live replica drops its cached rows and idle sessions (prefix caches stay, and
+        so does the routing table)."""
+        if not self._closed:
+            self._call_live("clear_cache")
+
+    def release_sessions(self) -> int:
+        """Release every replica's idle sessions; returns how many were released in all."""
+        return sum(self._call_live("release_sessions").values())
+
+    def reset_async_queries(self) -> None:
+        """Cancel every pending and in-flight async query (their awaiters get CancelledError)."""
+        self._batcher.reset()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``replicas``: each slot's own ``AsyncVirtualLM.stats`` (None for a dead slot);
+        ``routing``: per replica ``live``, ``inflight``, ``sessions`` (recorded), ``restarts``,
+        ``routed``, ``session_hits`` (continued a recorded session), ``prefix_hits`` (longest
+        cached prefix), ``by_load`` (new prompts), ``spilled`` (prefix hits sent elsewhere for
+        balance), ``failed``; ``logprobs``: the driver batcher's counters."""
+        replicas: list[Any] = [None] * len(self._actors)
+        if not self._closed:
+            refs = [(i, self._router.generation(i), self._remote(i, "stats")) for i in self._router.live_replicas()]
+            for i, gen, ref in refs:
+                try:
+                    if isinstance(ref, BaseException):
+                        raise ref
+                    replicas[i] = self._ray.get(ref, timeout=60)
+                except Exception as e:  # noqa: BLE001 - a dead replica has no stats
+                    self._translate(e, i, gen)
+        return {"replicas": replicas, "routing": self._router.snapshot(), "logprobs": self._batcher.stats}
+
+    def restart_replica(self, index: int) -> None:
+        """Replace slot ``index`` (dead or not) with a fresh actor and engine, same options, with
+        the registered LoRA adapters; blocks until it serves. Calls in flight on the old actor
+        fail with :class:`ReplicaDiedError`. From async code: ``await asyncio.to_thread(...)``."""
+        self._check_open()  # type: ignore[attr-defined]
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < len(self._actors):
+            raise ValueError(f"index must be a replica slot in [0, {len(self._actors)}), got {index!r}")
+        ray = self._ray
+        with self._restart_lock:  # type: ignore[attr-defined]
+            self._router.mark_dead(index, self._router.generation(index))
+            try:
+                ray.kill(self._actors[index], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            [(actor, info)] = launch.start_actors(ray, [index], self._make_actor, self._start_timeout)  # type: ignore[attr-defined]
+            try:
+                for name in self._loras.names():  # type: ignore[attr-defined]
+                    ray.get(actor.add_lora.remote(self._loras.resolve(name).path, name))  # type: ignore[attr-defined]
+            except BaseException as e:
+                ray.kill(actor)
+                raise launch.unwrap(ray, e) from e
+            self._actors[index] = actor
+            self.replica_info[index] = info  # type: ignore[attr-defined]
+            self._router.revive(index)
+
+    def cleanup(self) -> None:
+        """Shut every replica down (engines freed, actors killed) and, if a pool started Ray,
+        shut Ray down with the last such pool. Idempotent; later calls raise ``ClosedError``."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._batcher.close_nowait(ClosedError("this ReplicaPool was cleaned up while the call was pending"))
+        ray = self._ray
+        try:
+            if ray.is_initialized():
+                refs = [r for r in (self._remote(i, "cleanup") for i in self._router.live_replicas())
+                        if not isinstance(r, BaseException)]
+                if refs:
+                    ray.wait(refs, num_returns=len(refs), timeout=60)
+                for a in self._actors:
+                    try:
+                        ray.kill(a)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+        finally:
+            if self._owns_ray:  # type: ignore[attr-defined]
+                self._owns_ray = False
+                launch.release_ray(ray)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.cleanup)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self.cleanup()
+        except Exception as e:  # noqa: BLE001 - never raise from __del__
+            try:
+                warnings.warn(f"ReplicaPool cleanup in __del__ failed: {e!r}", RuntimeWarning, stacklevel=1)
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,414 @@
+"""``ReplicaPool``: the :class:`~genlm_vlm.AsyncLM` API served by N Ray actors, one engine each.
+
+Driver side: awaits of one event-loop pass are deduplicated and grouped by an
+:class:`~genlm_vlm.batching.AutoBatcher` (streaming mode); each group is routed query by query
+(:class:`~.routing.Router`) and sent as one actor call per (replica, adapter). A call's rows come
+back as float32 numpy rows in one Ray object (written into the object store once by the actor,
+read in place here); each awaiter gets its own torch copy of its row. Sync calls route the same way and block on
+``ray.get``. A replica that dies fails the awaiters of its in-flight calls with
+:class:`~.routing.ReplicaDiedError` and leaves routing until :meth:`ReplicaPool.restart_replica`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import numbers
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..base import AsyncLM, TokenIds, as_token_ids
+from ..batching import AutoBatcher
+from ..lora import Adapter, LoraRegistry
+from ..vllm_lm import ClosedError
+from . import launch
+from .calls import CallMixin
+from .routing import ReplicaDiedError, Router
+from .sampling import SamplingMixin
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Query:
+    ids: tuple[int, ...]
+    adapter: Adapter | None
+
+    @property
+    def akey(self) -> int:
+        return 0 if self.adapter is None else self.adapter.int_id
+
+    @property
+    def lora(self) -> str | None:
+        return None if self.adapter is None else self.adapter.name
+
+
+def _own_row(row: np.ndarray) -> torch.Tensor:
+    """The awaiter's own tensor: a copy of its row of the (read-only, shared) Ray object."""
+    return torch.from_numpy(np.array(row, dtype=np.float32, copy=True))
+
+
+class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
+    """N replicas of one model, each a Ray actor holding its own engine, behind one ``AsyncLM``.
+
+    Same methods as :class:`~genlm_vlm.AsyncVirtualLM` (async and sync rows, scoring, top-k,
+    sampling, LoRA, ``stats``, ``cleanup``, ``with`` / ``async with``). Rows are float32 CPU
+    tensors ``[V]``; every caller gets its own copy (the batch array in Ray's object store is
+    read-only and shared; a view would pin the whole batch for as long as one row lived).
+    Build with :meth:`from_name`.
+
+    Args:
+        model_name: HF name or local path, loaded by every replica.
+        num_replicas: number of Ray actors, each with its own engine (which may itself be
+            tensor parallel through ``engine_opts``).
+        engine_opts: ``vllm.LLM`` options of every replica. On the CPU build a replica gets
+            ``kv_cache_memory_bytes=1 GiB`` unless these set a KV size (vLLM's CPU default takes
+            30% of the node per engine process).
+        ray_address: ``None`` starts a local Ray instance (unless Ray is initialised already);
+            an address (``"auto"``, ``"ray://host:10001"``, ...) joins that cluster.
+        actor_options: options of every replica actor (``ray.remote(...).options``), over the
+            defaults: ``num_cpus`` = its pinned cores (1), or ``num_gpus`` = tensor-parallel size
+            where the cluster has GPUs; ``max_concurrency=1000``; ``runtime_env["env_vars"]``
+            merged key by key.
+        pin_cpus: ``True``: replica ``i`` is bound to its own core(s) (``num_cpus`` of them,
+            ``sched_setaffinity`` on the actor process and ``VLLM_CPU_OMP_THREADS_BIND``);
+            ``False``: no binding; a list: the cores of each replica; ``None`` (default): ``True``
+            when the pool started a local Ray instance on a machine without GPUs.
+        ray_init_opts: extra ``ray.init`` options when the pool starts Ray.
+        start_timeout: seconds for the replicas to build their engines (a cluster without the
+            resources they ask for raises ``TimeoutError`` then).
+        max_routes, min_match, balance_threshold: routing table bound and policy, see
+            :class:`~genlm_vlm.replicas.Router`.
+        lm_kwargs: :meth:`AsyncVirtualLM.from_name` keywords (``sessions``, ``max_sessions``,
+            ``batch_size``, ``cache_size``, ``chunk_size``, ...) for every replica;
+            ``batch_size``, ``timeout`` and ``chunk_size`` also set the driver's grouping.
+    """
+
+    #: Accepted where genlm-backend's ``AsyncVirtualLM`` is (e.g. llamppl), as AsyncVirtualLM is.
+    genlm_backend_class = "AsyncVirtualLM"
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_name(
+        cls,
+        model_name: str | os.PathLike[str],
+        num_replicas: int = 2,
+        engine_opts: dict[str, Any] | None = None,
+        ray_address: str | None = None,
+        **kwargs: Any,
+    ) -> ReplicaPool:
+        """Start ``num_replicas`` Ray actors, each building ``AsyncVirtualLM.from_name(model_name,
+        engine_opts, **lm_kwargs)`` in its own process; see :class:`ReplicaPool` for the options."""
+        return cls(model_name, num_replicas, engine_opts, ray_address, **kwargs)
+
+    def __init__(
+        self,
+        model_name: str | os.PathLike[str],
+        num_replicas: int = 2,
+        engine_opts: dict[str, Any] | None = None,
+        ray_address: str | None = None,
+        *,
+        actor_options: dict[str, Any] | None = None,
+        pin_cpus: bool | Sequence[Sequence[int]] | None = None,
+        ray_init_opts: dict[str, Any] | None = None,
+        start_timeout: float = 900.0,
+        max_routes: int = 100_000,
+        min_match: float = 0.5,
+        balance_threshold: int = 32,
+        **lm_kwargs: Any,
+    ) -> None:
+        self._closed = True  # until fully started (cleanup/__del__ do nothing before)
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        if engine_opts is not None and not isinstance(engine_opts, dict):
+            raise TypeError(f"engine_opts must be a dict of vllm.LLM options, got {type(engine_opts).__name__}")
+        n = int(num_replicas)
+        self._init_options(lm_kwargs)
+        model = os.fspath(model_name)
+        if ray_address is None:  # the model must be here: fail before Ray starts
+            from ..engine.build import resolve_model
+
+            resolve_model(model, (engine_opts or {}).get("revision"), (engine_opts or {}).get("download_dir"))
+        self._router = Router(n, max_routes=max_routes, min_match=min_match, balance_threshold=balance_threshold)
+        ray = self._ray = launch.import_ray()
+        self._owns_ray = launch.acquire_ray(ray, ray_address, ray_init_opts)
+        try:
+            self._start(model, n, dict(engine_opts or {}), actor_options, pin_cpus, start_timeout,
+                        ray_address is None)
+        except BaseException:
+            if self._owns_ray:
+                launch.release_ray(ray)
+            raise
+        self._closed = False
+
+    def _init_options(self, lm_kwargs: dict[str, Any]) -> None:
+        from ..vllm_lm import AsyncVirtualLM
+
+        replica_kwargs = dict(lm_kwargs)
+        device = replica_kwargs.pop("output_device", "cpu")
+        if str(device) != "cpu":
+            raise ValueError(f"a ReplicaPool hands out CPU rows; output_device={device!r} is not supported")
+        sub = {k: v for k, v in replica_kwargs.items() if k not in ("sessions", "max_sessions")}
+        try:
+            AsyncVirtualLM._check_options(sub)
+        except TypeError as e:
+            raise TypeError(
+                f"ReplicaPool.from_name(): {e} (pool options: actor_options, pin_cpus, "
+                "ray_init_opts, start_timeout, max_routes, min_match, balance_threshold)"
+            ) from None
+        batch_size = replica_kwargs.get("batch_size", 256)
+        timeout = replica_kwargs.pop("timeout", 0.0)  # the driver waits; replicas dispatch at once
+        self.chunk_size = int(replica_kwargs.get("chunk_size", 1024))
+        self._lm_kwargs = replica_kwargs
+        self._loras = LoraRegistry()
+        self._restart_lock = threading.Lock()
+        self._batcher: AutoBatcher[_Query, torch.Tensor] = AutoBatcher(
+            start=self._start_logprobs, batch_size=batch_size, timeout=timeout,
+            deliver=_own_row, name="logprobs",
+        )
+
+    def _start(self, model: str, n: int, engine_opts: dict[str, Any], user_opts: dict[str, Any] | None,
+               pin_cpus: Any, start_timeout: float, local: bool) -> None:
+        ray = self._ray
+        from .actor import ReplicaWorker
+
+        per = int((user_opts or {}).get("num_cpus", 1) or 1)
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        if pin_cpus is None:  # by default only where the pool started Ray here, on a CPU machine
+            pin_cpus = self._owns_ray and local and not gpus
+        if pin_cpus is True:
+            cpus: list[list[int] | None] = list(launch.cpu_lists(n, max(1, per)))
+        elif pin_cpus is False:
+            cpus = [None] * n
+        else:
+            cpus = [list(map(int, c)) for c in pin_cpus]
+            if len(cpus) != n:
+                raise ValueError(f"pin_cpus has {len(cpus)} core lists for {n} replicas")
+        self._cpus = cpus
+        self._model, self._engine_opts = model, engine_opts
+        self._user_opts = dict(user_opts or {})
+        self._start_timeout = float(start_timeout)
+        self._remote_cls = ray.remote(ReplicaWorker)
+        launch.check_fits(ray, launch.actor_options(ray, engine_opts, self._user_opts, cpus[0]), n)
+        started = launch.start_actors(ray, list(range(n)), self._make_actor, self._start_timeout)
+        self._actors = [a for a, _ in started]
+        self.replica_info = [info for _, info in started]
+        first = started[0][1]
+        from ..engine.build import ModelInfo
+
+        self._info = ModelInfo(**first["info"])
+        self._vocab_size = int(first["vocab_size"])
+        self.max_model_len = int(first["max_model_len"])
+        self._router.block_size = max(1, self._info.block_size or 32)
+        try:
+            vocab = ray.get(self._actors[0].vocabulary.remote(), timeout=self._start_timeout)
+            self.tokenizer = _load_tokenizer(vocab)
+            try:
+                self.tokenizer.name_or_path = model
+            except Exception:  # noqa: BLE001 - cosmetic only
+                pass
+            self.__dict__["_byte_strings"] = vocab["byte_strings"]  # AsyncLM's cached property
+        except BaseException:
+            for a in self._actors:
+                ray.kill(a)
+            raise
+
+    def _make_actor(self, i: int) -> Any:
+        opts = launch.actor_options(self._ray, self._engine_opts, self._user_opts, self._cpus[i])
+        kw = dict(self._lm_kwargs)
+        return self._remote_cls.options(**opts).remote(i, self._model, self._engine_opts, kw, self._cpus[i])
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._actors)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The replicas' Ray actor handles, by slot (a dead one stays until restarted)."""
+        return list(self._actors)
+
+    @property
+    def live_replicas(self) -> list[int]:
+        """Slots that are routed to (not known dead)."""
+        return self._router.live_replicas()
+
+    @property
+    def engine_info(self) -> Any:
+        """Replica 0's :class:`~genlm_vlm.engine.ModelInfo` (all replicas run the same engine)."""
+        return self._info
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct queries the driver sends in one group (split over replicas)."""
+        return self._batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
+        self._batcher.batch_size = int(value)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds the driver waits for stragglers before sending a group (default 0.0)."""
+        return self._batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
+        self._batcher.timeout = float(value)
+
+    @property
+    def lora_names(self) -> list[str]:
+        return self._loras.names()
+
+    # ------------------------------------------------------------------ validation
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this ReplicaPool was cleaned up; build a new one")
+
+    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
+        ids = as_token_ids(token_ids, what, self._vocab_size)
+        if not ids:
+            raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
+                f"(max_model_len={self.max_model_len}, one position is needed for the next token)"
+            )
+        return ids
+
+    def _query(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> _Query:
+        self._check_open()
+        return _Query(self._check_ids(token_ids, what), self._loras.resolve(lora_name))
+
+    # ------------------------------------------------------------------ rows
+    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """Float32 CPU ``[V]`` row after ``token_ids``, from the replica that holds the query's
+        session or longest cached prefix (else the least loaded)."""
+        q = self._query(token_ids, lora_name)
+        return await self._batcher.submit(q, (q.akey, q.ids))
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
+        qs = [self._query(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
+        if not qs:
+            return torch.empty((0, self._vocab_size), dtype=torch.float32)
+        rows = await asyncio.gather(*(self._batcher.submit(q, (q.akey, q.ids)) for q in qs))
+        return torch.stack(rows)
+
+    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        return self._rows_sync([self._query(token_ids, lora_name)], self.chunk_size)[0]
+
+    def batch_next_token_logprobs_sync(
+        self,
+        token_ids_list: Sequence[TokenIds],
+        lora_name: str | None = None,
+        *,
+        chunk_size: int | None = None,
+        show_progress: bool = False,
+    ) -> torch.Tensor:
+        """Blocking rows ``[N, V]``; at most ``chunk_size`` distinct prompts per round trip
+        (each replica halves its share on out-of-memory, as ``AsyncVirtualLM`` does)."""
+        qs = [self._query(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
+        return self._rows_sync(qs, chunk_size or self.chunk_size, show_progress)
+
+    def _start_logprobs(self, queries: list[_Query]) -> list[cf.Future]:
+        """AutoBatcher's ``start``: route the group, one actor call per (replica, adapter)."""
+        futs: list[cf.Future] = [cf.Future() for _ in queries]
+        try:
+            self._check_open()
+            routes = self._router.route_many([(q.akey, q.ids) for q in queries])
+        except BaseException as e:  # noqa: BLE001 - handed to this group's awaiters
+            for f in futs:
+                f.set_exception(e)
+            return futs
+        groups: dict[tuple[int, int, str | None], list[int]] = defaultdict(list)
+        for i, (q, (rep, gen)) in enumerate(zip(queries, routes, strict=True)):
+            groups[(rep, gen, q.lora)].append(i)
+        for (rep, gen, lora), idx in groups.items():
+            self._launch_rows(rep, gen, lora, [queries[i].ids for i in idx], [futs[i] for i in idx])
+        return futs
+
+    def _rows_sync(self, qs: list[_Query], chunk_size: int, show_progress: bool = False) -> torch.Tensor:
+        if not qs:
+            return torch.empty((0, self._vocab_size), dtype=torch.float32)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size!r}")
+        slot: dict[tuple[int, tuple[int, ...]], int] = {}
+        unique: list[_Query] = []
+        for q in qs:
+            if slot.setdefault((q.akey, q.ids), len(unique)) == len(unique):
+                unique.append(q)
+        found: list[tuple[np.ndarray, int] | None] = [None] * len(unique)
+        bar = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(unique), desc="scoring", unit="prompt")
+        try:
+            for start in range(0, len(unique), chunk_size):
+                chunk = unique[start : start + chunk_size]
+                self._check_open()
+                routes = self._router.route_many([(q.akey, q.ids) for q in chunk])
+                groups: dict[tuple[int, int, str | None], list[int]] = defaultdict(list)
+                for j, (q, (rep, gen)) in enumerate(zip(chunk, routes, strict=True)):
+                    groups[(rep, gen, q.lora)].append(start + j)
+                calls = [
+                    (rep, gen, idx, self._remote(rep, "logprobs_sync", [unique[i].ids for i in idx], lora, chunk_size))
+                    for (rep, gen, lora), idx in groups.items()
+                ]
+                for _rep, _gen, idx, arr in self._gather_sync(calls):
+                    for j, i in enumerate(idx):
+                        found[i] = (arr, j)
+                if bar is not None:
+                    bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+        out = np.empty((len(qs), self._vocab_size), dtype=np.float32)
+        for n, q in enumerate(qs):
+            hit = found[slot[(q.akey, q.ids)]]
+            assert hit is not None
+            out[n] = hit[0][hit[1]]
+        return torch.from_numpy(out)
+
+
+def _load_tokenizer(vocab: dict[str, Any]) -> Any:
+    """Replica 0's tokenizer on the driver: from its saved files, else unpickled."""
+    files = vocab.get("files")
+    if files:
+        import pathlib
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in files.items():
+                pathlib.Path(tmp, name).write_bytes(data)
+            try:
+                return AutoTokenizer.from_pretrained(tmp)
+            except Exception:  # noqa: BLE001 - fall back to the pickled tokenizer if any
+                if "pickle" not in vocab:
+                    raise
+    import pickle
+
+    return pickle.loads(vocab["pickle"])
+
+
+__all__ = ["ReplicaDiedError", "ReplicaPool"]

