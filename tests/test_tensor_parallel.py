@@ -235,10 +235,13 @@ def test_failed_tp_build_from_a_script_says_to_add_the_main_guard(monkeypatch):
     script = types.ModuleType("__main__")
     script.__file__ = "/somewhere/run_smc.py"
     monkeypatch.setitem(sys.modules, "__main__", script)
-    err = Exception("WorkerProc initialization failed")
+    err = Exception("WorkerProc initialization failed due to an exception in a background process")
     _add_tp_hint(err)
     assert any('if __name__ == "__main__":' in note for note in err.__notes__)
+    other = AssertionError("Given number of CPU id list ['0,1'] doesn't match local world size 2.")
+    _add_tp_hint(other)  # another cause: no misleading hint
+    assert not getattr(other, "__notes__", None)
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a REPL / notebook
-    quiet = Exception("other")
+    quiet = Exception("WorkerProc initialization failed")
     _add_tp_hint(quiet)
     assert not getattr(quiet, "__notes__", None)

@@ -559,7 +559,8 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 def _add_tp_hint(error: BaseException) -> None:
     main = sys.modules.get("__main__")
-    if getattr(main, "__file__", None):
+    # A worker that could not start (vLLM says only that): the usual cause is a missing guard.
+    if getattr(main, "__file__", None) and "WorkerProc initialization failed" in str(error):
         error.add_note(
             "genlm_vlm: tensor_parallel_size > 1 runs the model in worker processes started with "
             "'spawn', which re-import your script: build the model under `if __name__ == \"__main__\":`"

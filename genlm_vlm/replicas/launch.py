@@ -111,8 +111,15 @@ def actor_options(
         opts["num_cpus"] = len(cpus) if cpus else 1
     env: dict[str, str] = {}
     if cpus:
-        env["OMP_NUM_THREADS"] = str(len(cpus))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        if len(cpus) < tp:
+            raise ValueError(
+                f"a replica with tensor_parallel_size={tp} needs at least {tp} CPU cores (one per rank), "
+                f"it is pinned to {len(cpus)}: pass actor_options={{'num_cpus': {tp}}} or pin_cpus=False"
+            )
+        per = len(cpus) // tp  # one core group per rank, as vLLM's CPU workers expect
+        groups = [cpus[r * per : (r + 1) * per] for r in range(tp)]
+        env["OMP_NUM_THREADS"] = str(per)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
     runtime_env = dict(user.pop("runtime_env", None) or {})
     env.update(runtime_env.get("env_vars") or {})
     if env:

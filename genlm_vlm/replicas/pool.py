@@ -180,8 +180,10 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
         ray = self._ray
         from .actor import ReplicaWorker
 
-        per = int((user_opts or {}).get("num_cpus", 1) or 1)
         gpus = ray.cluster_resources().get("GPU", 0) > 0
+        tp = int(engine_opts.get("tensor_parallel_size", 1) or 1)
+        # On CPU a tensor-parallel replica gets one core per rank unless told otherwise.
+        per = int((user_opts or {}).get("num_cpus", 1 if gpus else tp) or 1)
         if pin_cpus is None:  # by default only where the pool started Ray here, on a CPU machine
             pin_cpus = self._owns_ray and local and not gpus
         if pin_cpus is True:
