@@ -30,8 +30,8 @@ Adding a system (the hook): write ``def build_x(args) -> System`` (an object wit
 ``lm`` — anything with the ``AsyncLM`` API and ``clear_cache()`` — ``info`` (a dict for the
 output; ``info["replica_pids"]``: the processes counted as ``replicas`` CPU) and ``close()``),
 register it in ``SYSTEMS`` and, for a ratio, add the pair to ``RATIOS``.
-Tensor parallelism is meant to go here as ``tp1`` / ``tp2`` (``AsyncVirtualLM.from_name(model,
-{**engine_opts, "tensor_parallel_size": k})``), with ``("tp2", "tp1")`` in ``RATIOS``.
+Tensor parallelism is measured by ``bench_tp.py`` instead: each configuration in a fresh process
+(a TP=2 engine's worker processes pinned next to a live TP=1 engine would skew both).
 """
 
 from __future__ import annotations
