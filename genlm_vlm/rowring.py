@@ -3,7 +3,7 @@
 With ``tensor_parallel_size > 1`` vLLM runs the model in worker processes, so the capture
 processors live there. Every rank sees the full logits (vLLM all-gathers them before the
 processors run); rank 0 writes the log-probabilities of each tagged row straight into a slot of
-this ring (the ``log_softmax`` is computed in place in the slot: no copy on the worker side), and
+this ring (``log_softmax`` writes its output straight into the slot: no copy on the worker side), and
 the engine thread, right after each engine step returns, copies the step's rows out into the
 :class:`~genlm_vlm.capture.CaptureSink` (one copy per row, since slots are reused next step).
 
@@ -206,11 +206,10 @@ class RowRing:
         mm, off = self._mm, self._tags_off
         if batched is None:
             batched = logits.device.type != "cpu"
-        if not batched:  # in place in each slot: no temporary
+        if not batched:  # straight into each slot: no temporary
+            ring_rows = self.rows
             for k, r in enumerate(rows, start):
-                slot = self.rows[k]
-                slot.copy_(logits[r])
-                slot.sub_(torch.logsumexp(slot, dim=-1))
+                torch.log_softmax(logits[r], dim=-1, dtype=torch.float32, out=ring_rows[k])
         elif tags:  # one kernel on the device, one copy to host memory
             index = torch.as_tensor(rows, device=logits.device, dtype=torch.long)
             logprobs = torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
