@@ -283,7 +283,7 @@ def test_unknown_record_key_is_an_error_naming_it() -> None:
     typo, two, ok = scoring.score_records(lm, records, top_k=0)
     assert set(typo) == {"id", "line", "error"} and typo["id"] == "typo"
     assert "unknown key 'contination' (did you mean 'continuation'?)" in typo["error"]
-    assert "accepts only prompt, continuation, add_bos, id" in typo["error"]
+    assert "accepts only prompt, continuation, add_bos, lora_name, id" in typo["error"]
     assert "unknown keys 'promt' (did you mean 'prompt'?), 'extra'" in two["error"]
     assert ok["continuation_tokens"] == 1 and "error" not in ok
     assert lm.prefixes == 1  # only the good record reached the model

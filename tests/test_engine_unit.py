@@ -29,7 +29,7 @@ def test_runner_prediction_follows_env(monkeypatch):
     [
         ({"logits_processors": []}, "logits_processors"),
         ({"speculative_config": {"method": "ngram"}}, "speculative"),
-        ({"tensor_parallel_size": 2}, "parallel"),
+        ({"pipeline_parallel_size": 2}, "pipeline and data parallel"),
     ],
 )
 def test_unsupported_engine_options_are_refused(opts, match):

@@ -44,7 +44,9 @@ def adapter(model_paths, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_lm(model_paths):
+def tp_lm(model_paths, llama_lm):
+    """Built after another engine of this process has started (``llama_lm``): vLLM then caches
+    its environment variables, and the TP build must still see the CPU binding it sets."""
     from genlm_vlm import AsyncVirtualLM
 
     lm = AsyncVirtualLM.from_name(model_paths["llama"], dict(TP_OPTS))

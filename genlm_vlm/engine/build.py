@@ -505,6 +505,8 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> tuple[An
 
     use_v2 = predict_v2_runner()
     with _build_lock, _environ(env):
+        if env:
+            _read_environ_afresh()
         for attempt in range(2):
             capture_cls = GlobalLogprobsCaptureV2 if use_v2 else GlobalLogprobsCapture
             sink = CaptureSink()
@@ -555,6 +557,17 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _read_environ_afresh() -> None:
+    """Make vLLM read ``os.environ`` again: once an engine has started, ``vllm.envs`` caches
+    every variable (``enable_envs_cache``), and a later build would not see the ones set here
+    (e.g. ``VLLM_CPU_OMP_THREADS_BIND``). The new engine caches them again when it is up."""
+    try:
+        from vllm.envs import disable_envs_cache
+    except ImportError:  # pragma: no cover - releases without the cache read os.environ
+        return
+    disable_envs_cache()
 
 
 def _add_tp_hint(error: BaseException) -> None:
