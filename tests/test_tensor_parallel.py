@@ -220,6 +220,7 @@ def test_cpu_thread_binding_splits_cores_when_numa_nodes_are_short(monkeypatch):
         ({"tensor_parallel_size": 0}, "positive int"),
         ({"tensor_parallel_size": "2"}, "positive int"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "ReplicaPool"),
+        ({"tensor_parallel_size": 2, "async_scheduling": True}, "steps must not overlap"),
     ],
 )
 def test_unsupported_parallel_options_fail_before_the_engine(opts, match):

@@ -367,6 +367,11 @@ def _check_engine_opts(opts: dict[str, Any]) -> None:
             "pipeline and data parallel engines are not supported: use tensor_parallel_size for a model "
             "that does not fit one device, and genlm_vlm.ReplicaPool for more throughput"
         )
+    if opts.get("tensor_parallel_size", 1) > 1 and opts.get("async_scheduling"):
+        raise ValueError(
+            "async_scheduling=True is not supported with tensor_parallel_size > 1: genlm_vlm reads "
+            "the workers' rows between engine steps, so steps must not overlap (leave it unset)"
+        )
     backend = opts.get("distributed_executor_backend")
     if opts.get("tensor_parallel_size", 1) > 1 and backend not in (None, "mp"):
         raise ValueError(
