@@ -101,6 +101,34 @@ def test_tp_lora_matches_hf_peft(tp_lm, adapter, model_paths):
     assert max_abs_diff(rows, hf_reference_logprobs(model_paths["llama"], prompts)) > 0.5
 
 
+def test_tp_failed_step_leaves_no_rows_behind(tp_lm, model_paths):
+    """A step that fails after the workers wrote its rows: the rows are taken out of the ring and
+    dropped with the failed requests (not left for the next step to deliver)."""
+    driver = tp_lm._driver
+    core = driver._core
+    real_step = core.step
+    calls = {"n": 0}
+
+    def step():
+        result = real_step()
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom after the step")
+        return result
+
+    prompt = [1, 2, 3, 4, 9]
+    core.step = step  # an instance attribute over CoreHandle.step, on the engine thread's next step
+    try:
+        with pytest.raises(RuntimeError, match="boom after the step"):
+            tp_lm.next_token_logprobs_sync(prompt)
+    finally:
+        del core.step
+    assert calls["n"] >= 1
+    assert driver.sink.remote.drain({}) == 0 and driver.sink.rows == {}
+    row = tp_lm.next_token_logprobs_sync(prompt)
+    assert max_abs_diff([row], hf_reference_logprobs(model_paths["llama"], [prompt])) < 1e-4
+
+
 def test_tp_cleanup_removes_workers_and_ring(model_paths):
     from genlm_vlm import AsyncVirtualLM
 

@@ -477,6 +477,8 @@ class EngineDriver:
             result = self._core.step()
         except Exception as e:  # noqa: BLE001 - fails this step's jobs only
             logger.warning("engine step failed: %r; failing the %d request(s) in it", e, len(self._by_rid))
+            if self.sink.remote is not None:
+                self.sink.collect()  # rows the workers wrote before the failure: discarded below
             for job in list(self._by_rid.values()):
                 self._end_job(job, exc=e, abort=True)
             return
