@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
@@ -72,6 +73,20 @@ def as_token_ids(token_ids: Any, what: str, vocab_size: int) -> tuple[int, ...]:
         i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         raise ValueError(f"{what} holds token id {t} at index {i}, outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def check_batch_size(value: Any) -> int:
+    """The ``batch_size`` setter's check: an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def check_timeout(value: Any) -> float:
+    """The ``timeout`` setter's check: a finite number of seconds >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 class TopK(NamedTuple):
@@ -192,11 +207,68 @@ class AsyncLM(ABC):
 
     # ------------------------------------------------------------------ validation
     def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
-        """Validate one prompt (non-empty, ids in the vocabulary); returns a tuple of ints."""
+        """Validate one prompt (non-empty, ids in the vocabulary, and shorter than
+        ``max_model_len`` where the model has one); returns a tuple of ints."""
         ids = as_token_ids(token_ids, what, self.vocab_size)
         if not ids:
             raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
+        limit = getattr(self, "max_model_len", None)
+        if limit is not None and len(ids) >= limit:
+            raise ValueError(
+                f"{what} has {len(ids)} tokens; this model allows at most {limit - 1} "
+                f"(max_model_len={limit}, one position is needed for the next token)"
+            )
         return ids
+
+    def _check_sample_args(
+        self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, what: str = "prompt_token_ids"
+    ) -> tuple[tuple[int, ...], int, tuple[int, ...], float, int | None]:
+        """Validate the arguments of ``sample``; returns ``(ids, max_tokens, eos_ids,
+        temperature, seed)`` with ``eos`` as a tuple (a single id is accepted) and the numbers as
+        Python ``float``/``int``."""
+        ids = self._check_ids(prompt, what)
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if isinstance(eos, numbers.Integral):
+            eos = [eos]
+        eos_ids = self._check_ids(eos, "eos_token_ids") if len(eos) else ()
+        if not isinstance(temperature, numbers.Real) or temperature < 0 or not np.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        return ids, max_tokens, eos_ids, float(temperature), None if seed is None else int(seed)
+
+    #: The end of the :class:`ContextLimitWarning` message: how to get longer samples.
+    _context_limit_hint: ClassVar[str] = (
+        "Shorten the prompt, or build the model with a larger max_model_len "
+        "(engine_opts={'max_model_len': N})."
+    )
+
+    def _warn_context_limit(
+        self, prompts: Sequence[Sequence[int]], outs: Sequence[Sequence[int]], max_tokens: int
+    ) -> None:
+        """One :class:`ContextLimitWarning` for the samples that stopped at ``max_model_len``
+        rather than at ``max_tokens`` or EOS (called by ``sample``/``batch_sample``).
+
+        The EOS token is stripped from a sample, so prompt + sample reaching ``max_model_len``
+        means the engine stopped for the length (an EOS at the last position leaves one short).
+        """
+        limit = self.max_model_len  # type: ignore[attr-defined]
+        cut = [
+            i for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True))
+            if len(out) < max_tokens and len(prompt) + len(out) >= limit
+        ]
+        if not cut:
+            return
+        n = len(prompts)
+        which = "the sample" if n == 1 else f"{len(cut)} of {n} samples (first: index {cut[0]})"
+        warnings.warn(
+            f"{which} stopped at the context limit: prompt ({len(prompts[cut[0]])} tokens) + sample "
+            f"reached max_model_len={limit} before max_tokens={max_tokens} and before an EOS token. "
+            + self._context_limit_hint,
+            ContextLimitWarning,
+            stacklevel=3,
+        )
 
     def _score_inputs(self, prompt_ids: Any, continuation_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         prompt = self._check_ids(prompt_ids, "prompt_ids")

@@ -24,14 +24,13 @@ from __future__ import annotations
 import hashlib
 import numbers
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .base import AsyncLM, ContextLimitWarning, TokenIds
+from .base import AsyncLM, TokenIds, check_batch_size, check_timeout
 from .lora import LoraRegistry
 
 __all__ = ["MockAsyncLM", "MockTokenizer", "default_byte_vocab"]
@@ -150,6 +149,7 @@ class MockAsyncLM(AsyncLM):
     """
 
     genlm_backend_class = "MockAsyncLM"
+    _context_limit_hint = "Shorten the prompt, or build the mock with a larger max_model_len."
 
     def __init__(
         self,
@@ -231,9 +231,7 @@ class MockAsyncLM(AsyncLM):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
-        self._batch_size = int(value)
+        self._batch_size = check_batch_size(value)
 
     @property
     def timeout(self) -> float:
@@ -242,9 +240,7 @@ class MockAsyncLM(AsyncLM):
 
     @timeout.setter
     def timeout(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
-        self._timeout = float(value)
+        self._timeout = check_timeout(value)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -262,15 +258,6 @@ class MockAsyncLM(AsyncLM):
             from .vllm_lm import ClosedError  # vllm_lm does not import vLLM at module level
 
             raise ClosedError("this MockAsyncLM was cleaned up; build a new one")
-
-    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
-        ids = super()._check_ids(token_ids, what)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
-                f"(max_model_len={self.max_model_len}, one position is needed for the next token)"
-            )
-        return ids
 
     def _row(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> torch.Tensor:
         self._check_open()
@@ -340,7 +327,7 @@ class MockAsyncLM(AsyncLM):
         (``torch.Generator().manual_seed(seed)``), without it torch's global RNG is used.
         """
         out = self._sample(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
-        self._warn_context_limit([(prompt_token_ids, out)], max_tokens)
+        self._warn_context_limit([prompt_token_ids], [out], max_tokens)
         return out
 
     async def batch_sample(
@@ -359,40 +346,19 @@ class MockAsyncLM(AsyncLM):
             self._sample(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i, lora_name)
             for i, p in enumerate(prompt_token_ids_list)
         ]
-        self._warn_context_limit(list(zip(prompt_token_ids_list, outs, strict=True)), max_tokens)
+        self._warn_context_limit(prompt_token_ids_list, outs, max_tokens)
         return outs
-
-    def _warn_context_limit(self, samples: list[tuple[Any, list[int]]], max_tokens: int) -> None:
-        """One ContextLimitWarning for the samples cut by ``max_model_len`` (as AsyncVirtualLM)."""
-        cut = [
-            i for i, (prompt, out) in enumerate(samples)
-            if len(out) < max_tokens and len(prompt) + len(out) >= self.max_model_len
-        ]
-        if cut:
-            which = "the sample" if len(samples) == 1 else f"{len(cut)} of {len(samples)} samples (first: index {cut[0]})"
-            warnings.warn(
-                f"{which} stopped at the context limit: prompt + sample reached "
-                f"max_model_len={self.max_model_len} before max_tokens={max_tokens} and before an EOS token",
-                ContextLimitWarning,
-                stacklevel=3,
-            )
 
     def _sample(
         self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, lora_name: str | None
     ) -> list[int]:
         self._check_open()
-        ids = list(self._check_ids(prompt, "prompt_token_ids"))
-        if type(max_tokens) is not int or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        if isinstance(eos, numbers.Integral):
-            eos = [eos]
-        stop = set(self._check_ids(eos, "eos_token_ids")) if len(eos) else set()
-        if not isinstance(temperature, numbers.Real) or temperature < 0 or not np.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        prompt_ids, max_tokens, eos_ids, temperature, seed = self._check_sample_args(
+            prompt, max_tokens, eos, temperature, seed
+        )
+        ids, stop = list(prompt_ids), set(eos_ids)
         self._loras.resolve(lora_name)
-        gen = None if seed is None else torch.Generator().manual_seed(int(seed))
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
         self._stats["samples"] += 1
         out: list[int] = []
         while len(out) < max_tokens and len(ids) < self.max_model_len:

@@ -15,7 +15,6 @@ import asyncio
 import difflib
 import inspect
 import logging
-import numbers
 import os
 import threading
 import warnings
@@ -23,10 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from .base import AsyncLM, ContextLimitWarning, TokenIds, as_token_ids
+from .base import AsyncLM, TokenIds, check_batch_size, check_timeout
 from .batching import AutoBatcher
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, make_lora_request, wait_all
@@ -212,10 +210,9 @@ class AsyncVirtualLM(AsyncLM):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
+        value = check_batch_size(value)
         for batcher in (self._logprob_batcher, self._sample_batcher):
-            batcher.batch_size = int(value)
+            batcher.batch_size = value
 
     @property
     def timeout(self) -> float:
@@ -227,10 +224,9 @@ class AsyncVirtualLM(AsyncLM):
 
     @timeout.setter
     def timeout(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
+        value = check_timeout(value)
         for batcher in (self._logprob_batcher, self._sample_batcher):
-            batcher.timeout = float(value)
+            batcher.timeout = value
 
     @property
     def engine_info(self) -> Any:
@@ -248,18 +244,6 @@ class AsyncVirtualLM(AsyncLM):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this AsyncVirtualLM was cleaned up; build a new one")
-
-    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
-        """Validate one prompt; returns it as a tuple of Python ints."""
-        ids = as_token_ids(token_ids, what, self._vocab_size)
-        if not ids:
-            raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
-                f"(max_model_len={self.max_model_len}, one position is needed for the next token)"
-            )
-        return ids
 
     def _request(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> _LogprobRequest:
         self._check_open()
@@ -333,7 +317,7 @@ class AsyncVirtualLM(AsyncLM):
         """
         req = self._sample_request(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
         out = await self._sample_batcher.submit(req)
-        self._warn_context_limit([req], [out])
+        self._warn_context_limit([req.ids], [out], req.max_tokens)
         return out
 
     async def batch_sample(
@@ -353,48 +337,16 @@ class AsyncVirtualLM(AsyncLM):
             for i, p in enumerate(prompt_token_ids_list)
         ]
         outs = list(await asyncio.gather(*(self._sample_batcher.submit(r) for r in reqs)))
-        self._warn_context_limit(reqs, outs)
+        self._warn_context_limit([r.ids for r in reqs], outs, max_tokens)
         return outs
-
-    def _warn_context_limit(self, reqs: Sequence[_SampleRequest], outs: Sequence[list[int]]) -> None:
-        """Warn when samples stopped at ``max_model_len`` rather than at ``max_tokens`` or EOS.
-
-        The EOS token is stripped from a sample, so prompt + sample reaching ``max_model_len``
-        means the engine stopped for the length (an EOS at the last position leaves one short).
-        """
-        cut = [
-            i for i, (r, out) in enumerate(zip(reqs, outs, strict=True))
-            if len(out) < r.max_tokens and len(r.ids) + len(out) >= self.max_model_len
-        ]
-        if not cut:
-            return
-        r = reqs[cut[0]]
-        which = "the sample" if len(reqs) == 1 else f"{len(cut)} of {len(reqs)} samples (first: index {cut[0]})"
-        warnings.warn(
-            f"{which} stopped at the context limit: prompt ({len(r.ids)} tokens) + sample reached "
-            f"max_model_len={self.max_model_len} before max_tokens={r.max_tokens} and before an EOS "
-            "token. Shorten the prompt, or build the model with a larger max_model_len "
-            "(engine_opts={'max_model_len': N}).",
-            ContextLimitWarning,
-            stacklevel=3,
-        )
 
     def _sample_request(
         self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, lora_name: str | None,
         what: str = "prompt_token_ids",
     ) -> _SampleRequest:
         self._check_open()
-        ids = self._check_ids(prompt, what)
-        if type(max_tokens) is not int or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        if isinstance(eos, int):
-            eos = [eos]
-        eos_ids = self._check_ids(eos, "eos_token_ids") if len(eos) else ()
-        if not isinstance(temperature, numbers.Real) or temperature < 0 or not np.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        return _SampleRequest(ids, max_tokens, eos_ids, float(temperature), None if seed is None else int(seed), self._loras.resolve(lora_name))
+        args = self._check_sample_args(prompt, max_tokens, eos, temperature, seed, what)
+        return _SampleRequest(*args, self._loras.resolve(lora_name))
 
     # ------------------------------------------------------------------ sync API
     def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:

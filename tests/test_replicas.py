@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 from conftest import ENGINE_OPTS, max_abs_diff
+from test_lora import _make_adapter
 
 from genlm_vlm import ClosedError, ReplicaDiedError, UnknownAdapterError
 from genlm_vlm.replicas import Router
@@ -99,22 +100,6 @@ def _ray_initialized() -> bool:
 
 
 # ---------------------------------------------------------------------------------- real pools
-def _make_adapter(model_path: str, out_dir, seed: int) -> str:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
-    model = get_peft_model(base, cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(str(out_dir))
-    return str(out_dir)
-
-
 @pytest.fixture(scope="module")
 def pool(model_paths):
     pytest.importorskip("ray")

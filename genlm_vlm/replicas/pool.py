@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base import AsyncLM, TokenIds, as_token_ids
+from ..base import AsyncLM, TokenIds, check_batch_size, check_timeout
 from ..batching import AutoBatcher
 from ..lora import Adapter, LoraRegistry
 from ..vllm_lm import ClosedError
@@ -94,6 +94,10 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
 
     #: Accepted where genlm-backend's ``AsyncVirtualLM`` is (e.g. llamppl), as AsyncVirtualLM is.
     genlm_backend_class = "AsyncVirtualLM"
+    _context_limit_hint = (
+        "Shorten the prompt, or build the pool with a larger max_model_len "
+        "(engine_opts={'max_model_len': N})."
+    )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -259,9 +263,7 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
-        self._batcher.batch_size = int(value)
+        self._batcher.batch_size = check_batch_size(value)
 
     @property
     def timeout(self) -> float:
@@ -270,9 +272,7 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
 
     @timeout.setter
     def timeout(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
-        self._batcher.timeout = float(value)
+        self._batcher.timeout = check_timeout(value)
 
     @property
     def lora_names(self) -> list[str]:
@@ -282,17 +282,6 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this ReplicaPool was cleaned up; build a new one")
-
-    def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
-        ids = as_token_ids(token_ids, what, self._vocab_size)
-        if not ids:
-            raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{what} has {len(ids)} tokens; this model allows at most {self.max_model_len - 1} "
-                f"(max_model_len={self.max_model_len}, one position is needed for the next token)"
-            )
-        return ids
 
     def _query(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> _Query:
         self._check_open()
