@@ -104,6 +104,8 @@ class HeldEngine:
         import concurrent.futures
         import threading
 
+        from genlm_vlm.engine.jobs import Call
+
         self.gate, self.entered = threading.Event(), threading.Event()
         self.sizes: list[int] = []
         driver = lm._driver
@@ -113,12 +115,12 @@ class HeldEngine:
             self.entered.set()
             self.gate.wait(timeout=60)
 
-        def submit(queries):
+        def submit(queries, *args, **kwargs):
             self.sizes.append(len(queries))
-            futures = real(queries)
+            waiters = real(queries, *args, **kwargs)
             if len(self.sizes) == 1:
-                driver._post(("call", hold, (), {}, concurrent.futures.Future()))
-            return futures
+                driver._post(Call(hold, (), {}, concurrent.futures.Future()))
+            return waiters
 
         driver.submit_logprobs = submit
 

@@ -120,10 +120,10 @@ async def test_engine_error_fails_only_that_call(fresh_lm):
     real = driver.submit_logprobs
     poison = (9, 9, 9)
 
-    def faulty(queries):
+    def faulty(queries, *args, **kwargs):
         if any(tuple(q[0]) == poison for q in queries):
             raise RuntimeError("injected engine failure")
-        return real(queries)
+        return real(queries, *args, **kwargs)
 
     driver.submit_logprobs = faulty
     lm._logprob_batcher.batch_size = 4

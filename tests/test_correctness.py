@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import max_abs_diff
 
+from genlm_vlm.engine import wait_all
 from genlm_vlm.testing import hf_reference_logprobs, random_prompts
 
 TOL = 1e-4
@@ -63,7 +64,8 @@ def test_duplicates_in_one_batch(tight_lm, arch, model_paths):
     assert lm.stats["engine_requests"] - requests_before == len(base)  # computed once each
     assert max_abs_diff(rows, hf_reference_logprobs(model_paths[arch], prompts)) < TOL
     # duplicates inside one engine group (bypassing the batcher's dedup): joined in the engine
-    raw = lm._driver.logprobs([base[0], base[1], base[0], base[1]])
+    dups = [base[0], base[1], base[0], base[1]]
+    raw = wait_all(lm._driver.submit_logprobs([(tuple(p), None) for p in dups]))
     refs = hf_reference_logprobs(model_paths[arch], [base[0], base[1], base[0], base[1]])
     assert max_abs_diff(raw, refs) < TOL
 

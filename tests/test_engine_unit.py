@@ -6,11 +6,12 @@ import pytest
 
 from genlm_vlm import engine
 from genlm_vlm.engine import VLLMLayoutError, vllm_version
+from genlm_vlm.engine.core import model_info
 
 
 def test_layout_error_names_vllm_version_and_what_is_missing():
     with pytest.raises(VLLMLayoutError) as info:
-        engine._model_info(object(), "v1")
+        model_info(object(), "v1")
     msg = str(info.value)
     assert vllm_version() in msg and "llm_engine" in msg
 
@@ -37,10 +38,15 @@ def test_unsupported_engine_options_are_refused(opts, match):
         engine.build_llm("unused", opts)
 
 
-def test_unusable_v2_flag_is_dropped_without_triton(monkeypatch):
+def test_unusable_v2_flag_is_dropped_without_triton(monkeypatch, caplog, recwarn):
+    """genlm-backend sets VLLM_USE_V2_MODEL_RUNNER=1 on import; without Triton it is dropped
+    with an informational log line, not a warning the user has to act on."""
+    import logging
+
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.warns(RuntimeWarning, match="Triton"):
+    with caplog.at_level(logging.INFO, logger="genlm_vlm.engine.build"):
         engine.drop_unusable_v2_flag()
+    assert "Triton" in caplog.text and not [w for w in recwarn if "Triton" in str(w.message)]
     import os
 
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ

@@ -188,11 +188,11 @@ def _signal_after_steps(driver, n: int) -> tuple[threading.Event, object]:
     """An event set once the engine thread has run ``n`` more steps; returns (event, restore)."""
     event = threading.Event()
     real_step = driver._step
-    target = driver.engine_steps + n
+    target = driver.stats()["engine_steps"] + n
 
     def step():
         real_step()
-        if driver.engine_steps >= target:
+        if driver._counts["engine_steps"] >= target:
             event.set()
 
     driver._step = step

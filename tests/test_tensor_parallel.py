@@ -13,7 +13,7 @@ from conftest import ENGINE_OPTS, max_abs_diff
 from test_lora import _make_adapter
 from test_sessions import smc
 
-from genlm_vlm.engine.build import _check_engine_opts, cpu_thread_binding
+from genlm_vlm.engine.options import check_engine_opts, cpu_thread_binding
 from genlm_vlm.rowring import RingWriterSink, RowRing, new_ring_path
 from genlm_vlm.testing import hf_reference_logprobs, random_prompts
 
@@ -105,7 +105,7 @@ def test_tp_failed_step_leaves_no_rows_behind(tp_lm, model_paths):
     """A step that fails after the workers wrote its rows: the rows are taken out of the ring and
     dropped with the failed requests (not left for the next step to deliver)."""
     driver = tp_lm._driver
-    core = driver._core
+    core = driver.core
     real_step = core.step
     calls = {"n": 0}
 
@@ -220,7 +220,7 @@ def test_writer_sink_writes_only_on_rank0(monkeypatch):
 
 
 def test_cpu_thread_binding_splits_cores_when_numa_nodes_are_short(monkeypatch):
-    import genlm_vlm.engine.build as build
+    import genlm_vlm.engine.options as build
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(build, "_numa_nodes", lambda: 1)
@@ -253,8 +253,8 @@ def test_cpu_thread_binding_splits_cores_when_numa_nodes_are_short(monkeypatch):
 )
 def test_unsupported_parallel_options_fail_before_the_engine(opts, match):
     with pytest.raises(ValueError, match=match):
-        _check_engine_opts(opts)
-    _check_engine_opts({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+        check_engine_opts(opts)
+    check_engine_opts({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
 
 
 def test_failed_tp_build_from_a_script_says_to_add_the_main_guard(monkeypatch):

@@ -535,7 +535,9 @@ def _score_all(
     paths["async"] = compare_rows(rows, refs) | {"s": time.perf_counter() - t1}
     # duplicates inside one engine call (no dedup): the tags must keep them apart
     t1 = time.perf_counter()
-    raw = lm._driver.logprobs(prompts)
+    from genlm_vlm.engine import wait_all
+
+    raw = wait_all(lm._driver.submit_logprobs([(tuple(p), None) for p in prompts]))
     rows = torch.stack([r.float().cpu() for r in raw])
     paths["raw_dups"] = compare_rows(rows, refs) | {"s": time.perf_counter() - t1}
     return paths

@@ -1,40 +1,47 @@
 """Everything that touches vLLM: the only package of genlm_vlm that reads vLLM internals.
 
-* :mod:`.build`: building and freeing the ``vllm.LLM`` (defaults, runner choice, version gate);
-* :mod:`.core`: :class:`~.core.CoreHandle`, the in-process engine core (requests with our own
-  ids, streaming-input sessions, single steps);
+* :mod:`.core`: :class:`~.core.EngineCore`, the interface the step loop drives, and
+  :class:`~.core.VLLMCore`, the one place that reaches into vLLM's engine core (requests with
+  our own ids, streaming-input sessions, single steps, LoRA, freeing, model facts);
+* :mod:`.loop`: :class:`~.loop.EngineDriver`, the engine thread and its step loop (given a core
+  factory: a real engine, or a fake in unit tests);
+* :mod:`.jobs`: jobs, result tickets and the typed inbox messages (pure Python);
 * :mod:`.sessions`: the session table (pure Python);
-* :mod:`.loop`: :class:`~.loop.EngineDriver`, the engine thread and its step loop.
+* :mod:`.build`: building the ``vllm.LLM`` (runner choice, environment shims, version errors);
+* :mod:`.options`: engine option defaults and checks (names, KV-cache size, CPU binding);
+* :mod:`.hub`: where a model name points (local folder, HF cache, hub), before vLLM is imported.
 
 When vLLM's layout is not what genlm_vlm expects, :class:`VLLMLayoutError` names the installed
 vLLM version and what was missing.
 """
 
 from .build import (
-    CPU_ENGINE_OPTS,
-    DEFAULT_ENGINE_OPTS,
     ModelInfo,
     VLLMLayoutError,
-    _model_info,
     build_llm,
     drop_unusable_v2_flag,
     is_cpu_platform,
     make_lora_request,
     predict_v2_runner,
-    sessions_supported,
     shield_llvmlite,
     vllm_version,
 )
-from .loop import EngineDriver, SampleSpec, wait_all
+from .core import EngineCore, StepResult, VLLMCore, sessions_supported
+from .jobs import SampleSpec, Ticket
+from .loop import EngineDriver, wait_all
+from .options import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS
 
 __all__ = [
     "CPU_ENGINE_OPTS",
     "DEFAULT_ENGINE_OPTS",
+    "EngineCore",
     "EngineDriver",
     "ModelInfo",
     "SampleSpec",
+    "StepResult",
+    "Ticket",
+    "VLLMCore",
     "VLLMLayoutError",
-    "_model_info",
     "build_llm",
     "drop_unusable_v2_flag",
     "is_cpu_platform",

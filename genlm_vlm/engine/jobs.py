@@ -1,0 +1,168 @@
+"""What travels between submitting threads and the engine thread (see :mod:`.loop`).
+
+* :class:`Job`: one query (a row, or a sample) with everything the engine thread needs; created
+  by the submitter, owned by the engine thread once posted.
+* :class:`Ticket`: a light handle on a job's result for callers that take results in bursts
+  (the async batcher): no ``concurrent.futures.Future`` per query, and one callback per engine
+  step per :class:`Listener` instead of one per row.
+* Inbox messages (:class:`PostJobs`, :class:`Cancel`, :class:`Call`, :class:`Stop`): small typed
+  records read with ``match`` on the engine thread.
+
+Pure Python and torch; no vLLM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Tokens = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpec:
+    """One sampling request: up to ``max_tokens`` tokens after ``ids``; ``lora`` is a vLLM
+    ``LoRARequest`` or None (the base model)."""
+
+    ids: Tokens
+    max_tokens: int
+    eos: Tokens
+    temperature: float
+    seed: int | None
+    adapter: int = 0  # TODO(compat): derived from lora
+    lora: Any = None
+
+
+def adapter_key(lora: Any) -> int:
+    """The int that names ``lora`` (a ``LoRARequest`` or None) in keys: 0 for the base model."""
+    return 0 if lora is None else int(lora.lora_int_id)
+
+
+#: Callback that receives one engine step's results for its tickets, on the engine thread:
+#: ``[(ticket, value, exception)]`` (exactly one of value / exception is meaningful).
+Listener = Callable[[list[tuple["Ticket", Any, BaseException | None]]], None]
+
+
+class Ticket:
+    """A caller's claim on one job's result, delivered through a :data:`Listener`.
+
+    ``cancelled`` is set by :meth:`EngineDriver.cancel` (any thread) and read by the engine
+    thread; ``resolved`` is written by the engine thread only. ``payload`` is the caller's.
+    """
+
+    __slots__ = ("cancelled", "job", "listener", "payload", "resolved")
+
+    def __init__(self, listener: Listener, payload: Any = None) -> None:
+        self.listener = listener
+        self.payload = payload
+        self.job: Job | None = None
+        self.cancelled = False
+        self.resolved = False
+
+    def done(self) -> bool:
+        return self.cancelled or self.resolved
+
+
+Waiter = cf.Future | Ticket
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One query. ``kind``: ``"logprobs"`` (a row), ``"sample"`` (vLLM's sampler) or
+    ``"seeded"`` (our sampler over rows, one session chunk per token)."""
+
+    kind: str
+    ids: Tokens
+    lora: Any
+    waiters: list[Waiter]
+    adapter: int = 0
+    spec: SampleSpec | None = None
+    # --- engine thread only, from admission on ---
+    rid: str | None = None
+    tag: str | None = None
+    session: Any = None
+    out: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.adapter = adapter_key(self.lora)
+
+    def wanted(self) -> bool:
+        """Whether any waiter still waits (not cancelled, not resolved)."""
+        return any(not w.done() for w in self.waiters)
+
+
+# ---------------------------------------------------------------------------- inbox messages
+@dataclass(slots=True)
+class PostJobs:
+    """A group of jobs submitted together."""
+
+    jobs: list[Job]
+
+
+@dataclass(slots=True)
+class Cancel:
+    """A waiter of ``job`` was cancelled: abort its request once nobody waits."""
+
+    job: Job
+
+
+@dataclass(slots=True)
+class Call:
+    """Run ``fn(*args, **kwargs)`` between two steps; the result goes to ``future``."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    future: cf.Future
+
+
+@dataclass(slots=True)
+class Stop:
+    """Fail what is pending, free the engine, end the thread; ``done`` resolves after."""
+
+    done: cf.Future
+
+
+Message = PostJobs | Cancel | Call | Stop
+
+
+class Outbox:
+    """Results collected during one engine step, handed over after it: futures are resolved
+    at once; tickets are grouped by listener, one listener call per step."""
+
+    __slots__ = ("by_listener",)
+
+    def __init__(self) -> None:
+        self.by_listener: dict[Any, list[tuple[Ticket, Any, BaseException | None]]] = {}
+
+    def resolve(self, job: Job, value: Any = None, exc: BaseException | None = None) -> None:
+        for w in job.waiters:
+            if type(w) is Ticket:
+                if w.done():
+                    continue
+                w.resolved = True
+                self.by_listener.setdefault(w.listener, []).append((w, value, exc))
+            elif not w.done() and w.set_running_or_notify_cancel():
+                if exc is not None:
+                    w.set_exception(exc)
+                else:
+                    w.set_result(value)
+
+    def flush(self) -> None:
+        """Call each listener once with its results (engine thread)."""
+        if not self.by_listener:
+            return
+        batches, self.by_listener = self.by_listener, {}
+        for listener, items in batches.items():
+            try:
+                listener(items)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
+                logger.exception("a result listener failed; %d result(s) were not delivered", len(items))
