@@ -1,17 +1,30 @@
-"""Command line: ``python -m genlm_vlm {demo,score,info} ...``.
+"""Command line: ``python -m genlm_vlm {demo,score} ...``, and what the commands share.
 
-Each subcommand lives in its own module with a ``main(argv) -> int`` function.
+Each command lives in its own package with a ``main(argv) -> int`` function:
+``demo`` in :mod:`genlm_vlm.demo.cli`, ``score`` in :mod:`genlm_vlm.scoring.cli`. What they have
+in common is here: ``--quiet`` / ``--verbose``, the ``--engine-opt KEY=VALUE`` parser, and the
+check of ``--model`` that runs before torch or vLLM is imported (so a wrong path costs
+milliseconds, not an engine start).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
+import pathlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 _COMMANDS = {
-    "demo": ("genlm_vlm.demo", "SMC constrained generation on the embedded model (or --model)"),
-    "score": ("genlm_vlm.scoring", "score a JSONL file: next-token top-k and/or log p(continuation | prompt)"),
+    "demo": ("genlm_vlm.demo.cli", "SMC constrained generation on the embedded model (or --model)"),
+    "score": (
+        "genlm_vlm.scoring.cli",
+        "score a JSONL file: next-token top-k and/or log p(continuation | prompt)",
+    ),
 }
 
 
@@ -19,6 +32,11 @@ _COMMANDS = {
 _SHARED_FLAGS = ("--quiet", "--verbose")
 
 
+class UsageError(ValueError):
+    """A command-line option that cannot work; the message names it and the fix (exit status 2)."""
+
+
+# ------------------------------------------------------------------------------ --quiet / --verbose
 def add_verbosity_options(p: argparse.ArgumentParser, quiet_help: str) -> None:
     """``--quiet`` / ``--verbose`` (every ``python -m genlm_vlm`` command has both).
 
@@ -44,6 +62,94 @@ def verbosity_of(args: argparse.Namespace) -> bool | None:
     return None
 
 
+# ------------------------------------------------------------------------------ --engine-opt
+#: The help text of ``--engine-opt``, the same in every command.
+ENGINE_OPT_HELP = (
+    "vllm.LLM option, repeatable. VALUE is read as JSON when it parses (512, 0.5, true, null, "
+    '[1, 2], {"k": 1}); True/False/None in any case are accepted too; anything else is a string '
+    "(dtype=float32)"
+)
+
+_WORDS = {"true": True, "false": False, "none": None, "null": None}
+
+
+def parse_engine_value(text: str) -> Any:
+    """The value of ``--engine-opt KEY=VALUE`` (see :data:`ENGINE_OPT_HELP`): JSON when ``text``
+    parses as JSON, ``True``/``False``/``None`` for those words in any case, else ``text``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    word = text.strip().lower()
+    return _WORDS[word] if word in _WORDS else text
+
+
+def parse_engine_opts(items: Sequence[str]) -> dict[str, Any]:
+    """``--engine-opt`` items (``KEY=VALUE``) as a dict; a later KEY wins. Raises
+    :class:`UsageError` for an item without ``=`` or with an empty KEY."""
+    opts: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(
+                f"--engine-opt expects key=value, got {item!r} (e.g. --engine-opt max_model_len=1024)"
+            )
+        opts[key.strip()] = parse_engine_value(value)
+    return opts
+
+
+def add_engine_opt_option(p: argparse.ArgumentParser) -> None:
+    """``--engine-opt KEY=VALUE`` (repeatable; parse the collected list with
+    :func:`parse_engine_opts`)."""
+    p.add_argument(
+        "--engine-opt", action="append", default=[], metavar="KEY=VALUE", help=ENGINE_OPT_HELP
+    )
+
+
+# ------------------------------------------------------------------------------ --model
+def _hub_module() -> ModuleType | None:
+    """``genlm_vlm.engine.hub`` without importing the ``genlm_vlm.engine`` package when that is
+    not loaded yet: the package imports torch (about a second), ``hub.py`` itself needs only the
+    standard library and ``huggingface_hub``. None when the module is not where it should be
+    (then the engine build checks the name, after torch is imported)."""
+    loaded = sys.modules.get("genlm_vlm.engine.hub")
+    if loaded is not None or "genlm_vlm.engine" in sys.modules:
+        try:
+            return loaded or importlib.import_module("genlm_vlm.engine.hub")
+        except ImportError:
+            return None
+    path = pathlib.Path(__file__).resolve().parent / "engine" / "hub.py"
+    spec = importlib.util.spec_from_file_location("genlm_vlm._cli_hub", path) if path.is_file() else None
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:  # it came to need the package after all
+        try:
+            return importlib.import_module("genlm_vlm.engine.hub")
+        except ImportError:
+            return None
+    return module
+
+
+def resolve_model_arg(name: str) -> str:
+    """Check ``--model`` before torch and vLLM are imported; return what to build the engine from.
+
+    ``genlm_vlm.engine.hub.resolve_model``: a local folder is returned as is, a path that does
+    not exist fails at once, a hub id is looked up in the local Hugging Face cache when the hub
+    does not answer. Raises :class:`UsageError` with that function's message.
+    """
+    hub = _hub_module()
+    if hub is None:
+        return name
+    try:
+        return str(hub.resolve_model(name))
+    except FileNotFoundError as e:
+        raise UsageError(f"--model: {e}") from None
+
+
+# ------------------------------------------------------------------------------ dispatch
 def _usage() -> str:
     lines = ["usage: python -m genlm_vlm COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8}{help_}" for name, (_, help_) in _COMMANDS.items()]
@@ -58,6 +164,7 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m genlm_vlm COMMAND ...``: runs the command's ``main`` and returns its status."""
     args = list(sys.argv[1:] if argv is None else argv)
     shared: list[str] = []  # --quiet / --verbose given before the command
     while args and args[0] in _SHARED_FLAGS:
@@ -69,8 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in _COMMANDS:
         print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    import importlib
-
     module = importlib.import_module(_COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

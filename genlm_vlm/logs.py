@@ -15,6 +15,11 @@ Choosing the verbosity, most specific first:
 
 ``VLLM_LOGGING_STREAM`` set by the user is respected too; otherwise vLLM's log goes to stderr.
 
+torch's C++ warnings (vLLM's CPU worker makes torch print ``Warning: NUMA binding: Using MEMBIND
+policy ...`` for every engine) obey only ``TORCH_CPP_LOG_LEVEL``, which torch reads once, when it
+is first imported. The command-line tools call :func:`quiet_torch_cpp_log` before that; from
+Python, set ``TORCH_CPP_LOG_LEVEL=ERROR`` in the environment to hide them.
+
 The setting is applied when an engine is built (:func:`configure_vllm_logging`, called by
 :func:`genlm_vlm.engine.build.build_llm` just before vLLM is imported), and at once by
 :func:`set_verbosity`. It works through vLLM's environment variables (read when vLLM configures
@@ -36,6 +41,7 @@ __all__ = [
     "ENV_VERBOSE",
     "QUIET_LEVEL",
     "configure_vllm_logging",
+    "quiet_torch_cpp_log",
     "set_verbosity",
     "verbosity",
     "vllm_log_level",
@@ -49,6 +55,7 @@ QUIET_LEVEL = logging.ERROR
 VERBOSE_LEVEL = logging.INFO
 
 _LEVEL_VAR = "VLLM_LOGGING_LEVEL"
+_TORCH_CPP_VAR = "TORCH_CPP_LOG_LEVEL"
 _STREAM_VAR = "VLLM_LOGGING_STREAM"
 _STDERR = "ext://sys.stderr"
 
@@ -161,6 +168,19 @@ def verbosity(verbose: bool | None, *, level: int | str | None = None) -> Iterat
     finally:
         _explicit = previous
         configure_vllm_logging()
+
+
+def quiet_torch_cpp_log() -> bool:
+    """Hide torch's C++ warnings while vLLM's log is quiet: sets ``TORCH_CPP_LOG_LEVEL=ERROR``
+    unless the user set that variable, vLLM's log shows warnings (:func:`vllm_log_level`), or
+    torch is already imported (torch reads the variable only then; setting it later would do
+    nothing). Returns whether it set the variable. For entry points (the ``python -m genlm_vlm``
+    commands), before anything imports torch.
+    """
+    if "torch" in sys.modules or os.environ.get(_TORCH_CPP_VAR) or vllm_log_level() <= logging.WARNING:
+        return False
+    os.environ[_TORCH_CPP_VAR] = "ERROR"
+    return True
 
 
 def _is_vllm_handler(handler: logging.Handler) -> bool:

@@ -477,7 +477,7 @@ The [README](../README.md) has the rest:
   on the GPU; `batch_size`, `timeout`, `cache_size`, `sessions`, `max_sessions`), the errors
   raised at the call, and how to use the model from other threads.
 * **With genlm-control, genlm-bytes and llamppl**: the model plugs into all three as it is.
-* **Command line**: `python -m genlm_vlm demo` (SMC written out in `genlm_vlm/demo.py`, on this
+* **Command line**: `python -m genlm_vlm demo` (SMC written out in `genlm_vlm/demo/smc.py`, on this
   model) and `python -m genlm_vlm score in.jsonl out.jsonl`.
 * **How rows are computed**: sessions, batching, caching and seeded sampling inside the engine loop.
 * **Limits**, including the CPU memory options used in section 1, and **Benchmarks**.

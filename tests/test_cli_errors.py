@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import math
 import os
@@ -18,14 +19,17 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import pytest
 import torch
 
-from genlm_vlm import demo, logs, scoring
+import genlm_vlm
+from genlm_vlm import cli, demo, logs, scoring
 from genlm_vlm.base import ContextLimitWarning
 from genlm_vlm.batching import AutoBatcher
+from genlm_vlm.demo import cli as demo_cli
 from genlm_vlm.vllm_lm import AsyncVirtualLM
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -42,7 +46,7 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise AssertionError(f"an engine was built for {model}")
 
     monkeypatch.setattr(AsyncVirtualLM, "from_name", staticmethod(refuse))
-    monkeypatch.setattr(demo, "default_engine_opts", lambda: {"max_model_len": 512})
+    monkeypatch.setattr(demo_cli, "default_engine_opts", lambda: {"max_model_len": 512})
     return tried
 
 
@@ -114,7 +118,7 @@ def test_global_flags_before_the_command_are_passed_on(monkeypatch) -> None:
     from genlm_vlm import cli
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(demo, "main", lambda argv: seen.append(list(argv)) or 0)
+    monkeypatch.setattr(demo_cli, "main", lambda argv: seen.append(list(argv)) or 0)
     assert cli.main(["--verbose", "demo", "--particles", "3"]) == 0
     assert seen == [["--particles", "3", "--verbose"]]
     assert "--quiet" in cli._usage() and "GENLM_VLM_VERBOSE" in cli._usage()
@@ -168,7 +172,7 @@ def fake_model(monkeypatch):
             return model
 
         monkeypatch.setattr(AsyncVirtualLM, "from_name", staticmethod(from_name))
-        monkeypatch.setattr(demo, "default_engine_opts", lambda: {"max_model_len": 512})
+        monkeypatch.setattr(demo_cli, "default_engine_opts", lambda: {"max_model_len": 512})
         return model
 
     return install
@@ -213,11 +217,14 @@ def test_output_explains_weights_and_cut_off_particles(fake_model, capsys) -> No
     assert "<eos>: ended with EOS" in out and "no mark: cut off by --max-tokens" in out
     m = re.search(r"estimated log P\(constraint\) = (-?\d+\.\d+)", out)
     assert m and math.isfinite(float(m.group(1)))
-    cut = re.search(r"(\d+) of 16 particles were cut off by --max-tokens 3 before EOS", out)
-    assert cut, out
+    ended = re.search(r"^particles: (\d+) of 16 ended with EOS, (\d+) cut off by --max-tokens 3$", out, re.M)
+    assert ended, out
     rows = [line for line in out.splitlines() if re.match(r"^  \d\.\d{4}  x", line)]
     unmarked = sum(int(re.search(r"x(\d+)", r).group(1)) for r in rows if not r.endswith(">"))
-    assert int(cut.group(1)) == unmarked > 0
+    eos = sum(int(re.search(r"x(\d+)", r).group(1)) for r in rows if r.endswith("<eos>"))
+    assert int(ended.group(2)) == unmarked > 0 and int(ended.group(1)) == eos
+    assert f"({unmarked} of 16 particles were cut off: their texts are unfinished" in out
+    assert re.search(r"^SMC: \d+ steps, (resampled|never resampled)", out, re.M), out
     # the progress bar's fields are explained where the bar is drawn
     assert "ess = effective sample size" in captured.err and "live = particles still" in captured.err
 
@@ -235,19 +242,19 @@ def test_quiet_drops_the_progress_bar_and_verbose_shows_vllm(fake_model, capsys)
     assert logs._explicit is None  # the command's choice ends with it
 
 
-def test_engine_failure_is_one_line_unless_verbose(monkeypatch, capsys) -> None:
+def test_engine_failure_is_one_line_unless_verbose(monkeypatch, capsys, tmp_path) -> None:
     def broken(name, engine_opts=None, **kwargs):
-        raise OSError("no such model directory: /nowhere")
+        raise OSError("no config.json in the model folder")
 
     monkeypatch.setattr(AsyncVirtualLM, "from_name", staticmethod(broken))
-    monkeypatch.setattr(demo, "default_engine_opts", lambda: {})
-    assert demo.main(["--model", "/nowhere", "--no-progress"]) == 1
+    monkeypatch.setattr(demo_cli, "default_engine_opts", lambda: {})
+    assert demo.main(["--model", str(tmp_path), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err]
-    assert "could not build the engine for /nowhere: OSError: no such model" in err
+    assert f"could not build the engine for {tmp_path}: OSError: no config.json" in err
     assert "--verbose shows vLLM's log and the traceback" in err
-    with pytest.raises(OSError, match="no such model"):
-        demo.main(["--model", "/nowhere", "--no-progress", "--verbose"])
+    with pytest.raises(OSError, match="no config.json"):
+        demo.main(["--model", str(tmp_path), "--no-progress", "--verbose"])
 
 
 # ----------------------------------------------------------------------- score: records, CLI
@@ -321,18 +328,95 @@ def test_score_quiet_and_verbose(tmp_path, monkeypatch, capsys) -> None:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text('{"prompt": "a", "continuation": "b"}\n{"prompt": "a", "contination": "b"}\n')
 
-    assert scoring.main([str(src), str(dst), "--quiet"]) == 0
+    assert scoring.main([str(src), str(dst), "--quiet"]) == 1  # a record failed
     assert capsys.readouterr().err == ""
     assert built[-1].level == logging.ERROR and built[-1].opts == {}
     assert "unknown key 'contination'" in dst.read_text().splitlines()[1]
 
-    assert scoring.main([str(src), str(dst), "--verbose", "--no-progress"]) == 0
+    assert scoring.main([str(src), str(dst), "--verbose", "--no-progress"]) == 1
     assert "scored 1, errors 1" in capsys.readouterr().err
     assert built[-1].level <= logging.INFO and built[-1].opts == {}
     assert logs._explicit is None
 
     with pytest.raises(SystemExit):
         scoring.main([str(src), str(dst), "--quiet", "--verbose"])
+
+
+def test_score_exit_status_says_whether_every_record_was_scored(tmp_path, monkeypatch, capsys) -> None:
+    """1 when any record failed, after every record's result was written (the failed ones with
+    their error); 0 when all were scored."""
+    monkeypatch.setattr(AsyncVirtualLM, "from_name", staticmethod(lambda name, opts=None, **kw: FakeScoringModel()))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": 1, "prompt": "a"}\n{not json\n{"id": 3, "prompt": "ab", "continuation": "b"}\n')
+    assert scoring.main([str(src), str(dst), "--no-progress"]) == 1
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["line"] for r in out] == [1, 2, 3]
+    assert "error" not in out[0] and "invalid JSON" in out[1]["error"] and out[2]["continuation_tokens"] == 1
+    assert "scored 2, errors 1" in capsys.readouterr().err
+    src.write_text('{"id": 1, "prompt": "a"}\n')
+    assert scoring.main([str(src), str(dst), "--no-progress", "--quiet"]) == 0
+    assert "exit status: 0 when every record was scored; 1 when any record failed" in " ".join(
+        scoring.cli._parser().format_help().split()
+    )
+
+
+def test_engine_opt_values_are_parsed_one_way_in_both_commands(tmp_path, monkeypatch, capsys) -> None:
+    items = ["a=1", "b=0.5", "c=true", "d=None", "e=float32", 'f={"x": [1, 2]}', 'g="7"', "h=x=y", "a=2"]
+    want = {"a": 2, "b": 0.5, "c": True, "d": None, "e": "float32", "f": {"x": [1, 2]}, "g": "7", "h": "x=y"}
+    assert cli.parse_engine_opts(items) == want
+    argv = [arg for item in items for arg in ("--engine-opt", item)]
+    seen: list[dict] = []
+
+    def from_name(name, engine_opts=None, **kwargs):
+        seen.append(dict(engine_opts or {}))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(AsyncVirtualLM, "from_name", staticmethod(from_name))
+    monkeypatch.setattr(demo_cli, "default_engine_opts", lambda: {})
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    assert demo.main([*argv, "--no-progress"]) == 1
+    assert scoring.main([str(src), str(tmp_path / "out.jsonl"), *argv]) == 1
+    assert seen == [want, want]
+    capsys.readouterr()
+    # ... and documented the same way
+    helps = [" ".join(p.format_help().split()) for p in (demo.build_parser(), scoring.cli._parser())]
+    for text in helps:
+        assert " ".join(cli.ENGINE_OPT_HELP.split()) in text
+    for bad in (demo.main, lambda a: scoring.main([str(src), "-", *a])):
+        assert bad(["--engine-opt", "=3"]) == 2
+        assert "--engine-opt expects key=value, got '=3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["demo", "score"])
+@pytest.mark.parametrize("model", ["/no/such/dir", "./missing-model", "no//hub-id"])
+def test_missing_model_fails_in_well_under_a_second(command, model, tmp_path) -> None:
+    """From the command line: one line naming the path, status 2, before torch or vLLM load."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    args = ["demo", "--model", model] if command == "demo" else ["score", str(src), "-", "--model", model]
+    code = (
+        "import sys\n"
+        "from genlm_vlm.cli import main\n"
+        f"rc = main({args!r})\n"
+        "print('HEAVY', sorted({'torch', 'vllm', 'transformers'} & set(sys.modules)))\n"
+        "sys.exit(rc)\n"
+    )
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.strip() == "HEAVY []"
+    err = proc.stderr.strip()
+    assert err.splitlines() == [err] and err.startswith(f"{command}: error: --model: no such directory")
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+
+
+def test_cli_docstring_and_usage_name_the_real_commands() -> None:
+    assert set(cli._COMMANDS) == {"demo", "score"}
+    for name in cli._COMMANDS:
+        assert f"``{name}``" in cli.__doc__ and f"  {name} " in cli._usage()
+    assert "info" not in cli.__doc__ and "info" not in cli._usage()
 
 
 # ----------------------------------------------------------------------------- logs module
@@ -426,7 +510,7 @@ def test_build_llm_hides_the_loading_bar_unless_verbose(clean_logs, monkeypatch)
         raise Built
 
     monkeypatch.setattr(vllm, "LLM", fake_llm)
-    model = demo.default_model_path()
+    model = genlm_vlm.demo_model_path()
     for verbose, opts, want in [
         (None, {}, False),  # the default: quiet
         (False, {}, False),
@@ -444,14 +528,13 @@ def test_vllm_log_goes_to_stderr_quiet_then_verbose() -> None:
     vLLM has cached by then); stdout stays empty throughout."""
     code = (
         "import sys\n"
-        "from genlm_vlm import AsyncVirtualLM, logs\n"
-        "from genlm_vlm.demo import default_model_path\n"
+        "from genlm_vlm import AsyncVirtualLM, demo_model_path, logs\n"
         "opts = {'dtype': 'float32', 'max_model_len': 64, 'kv_cache_memory_bytes': 32 << 20}\n"
         "for verbose in (None, True):\n"
         "    if verbose is not None:  # the first engine: build_llm applies the default\n"
         "        logs.set_verbosity(verbose)\n"
         "    print(f'=== verbose={verbose}', file=sys.stderr, flush=True)\n"
-        "    lm = AsyncVirtualLM.from_name(default_model_path(), dict(opts))\n"
+        "    lm = AsyncVirtualLM.from_name(demo_model_path(), dict(opts))\n"
         "    lm.next_token_logprobs_sync([1, 2])\n"
         "    lm.cleanup()\n"
     )

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import ENGINE_OPTS
 
-from genlm_vlm.scoring import _parse_engine_opt, default_model_path, main, read_jsonl, score_records
+from genlm_vlm import demo_model_path
+from genlm_vlm.scoring import main, read_jsonl, score_records
 from genlm_vlm.vocab import get_str_vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -247,7 +248,7 @@ def test_invalid_json_lines():
 
 
 def test_invalid_json_line_is_an_error_record(llama_lm):
-    from genlm_vlm.scoring import _Scorer
+    from genlm_vlm.scoring.scorer import _Scorer
 
     lines = ['{"id": 1, "prompt": [5, 6]}', "{oops", '{"id": 3, "prompt": [5, 7]}']
     results = list(_Scorer(llama_lm, 3, 8).score(read_jsonl(lines)))
@@ -398,18 +399,13 @@ def test_a_record_naming_an_adapter_on_a_model_without_lora(llama_lm):
 
 
 # ------------------------------------------------------------------------------ CLI
-def test_default_model_path_is_the_shipped_model():
-    from genlm_vlm.demo import default_model_path as shipped
-
-    assert default_model_path() == shipped()
-    assert (Path(default_model_path()) / "model.safetensors").is_file()
-
-
 def test_demo_model_path_is_exported_and_light():
     import genlm_vlm
-    from genlm_vlm import demo
+    from genlm_vlm import _paths, demo, scoring
 
-    assert genlm_vlm.demo_model_path is demo.demo_model_path is demo.default_model_path
+    assert genlm_vlm.demo_model_path is _paths.demo_model_path
+    # the pre-release aliases are gone; the commands use the shipped model through _paths
+    assert not hasattr(demo, "default_model_path") and not hasattr(scoring, "default_model_path")
     assert "demo_model_path" in genlm_vlm.__all__ and "demo_model_path" in dir(genlm_vlm)
     assert "loads offline" in genlm_vlm.demo_model_path.__doc__
     path = Path(genlm_vlm.demo_model_path())
@@ -423,18 +419,6 @@ def test_demo_model_path_is_exported_and_light():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(path), "[]"]
-
-
-def test_parse_engine_opt():
-    assert _parse_engine_opt("dtype=float32") == ("dtype", "float32")
-    assert _parse_engine_opt("max_model_len=512") == ("max_model_len", 512)
-    assert _parse_engine_opt("gpu_memory_utilization=0.5") == ("gpu_memory_utilization", 0.5)
-    assert _parse_engine_opt("enforce_eager=True") == ("enforce_eager", True)
-    assert _parse_engine_opt("enable_prefix_caching=false") == ("enable_prefix_caching", False)
-    assert _parse_engine_opt('limit={"a": 1}') == ("limit", {"a": 1})
-    assert _parse_engine_opt("x=a=b") == ("x", "a=b")
-    with pytest.raises(Exception, match="key=value"):
-        _parse_engine_opt("novalue")
 
 
 def test_cli_rejects_missing_input(tmp_path, capsys):
@@ -472,14 +456,33 @@ def test_cli_stdin_stdout_in_process(llama_lm, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
     rc = main(["-", "-", "--top-k", "2", "--engine-opt", "max_model_len=512", "--engine-opt", "dtype=float32"])
     captured = capsys.readouterr()
-    assert rc == 0
+    assert rc == 1  # the record "nope" failed (its error is written like any result)
     # the weight-loading bar is build_llm's business (tests/test_cli_errors.py), not the command's
-    assert built[0] == (default_model_path(), {"max_model_len": 512, "dtype": "float32"})
+    assert built[0] == (demo_model_path(), {"max_model_len": 512, "dtype": "float32"})
     assert built[1].cleaned
     out = [json.loads(line) for line in captured.out.splitlines()]  # nothing else on stdout
     assert [r["id"] for r in out] == ["a", None, "c"] and "error" in out[1]
     _approx(out[0], next(score_records(llama_lm, [json.loads(lines[0])], top_k=2)))
     assert "scored 2, errors 1" in captured.err
+
+
+def test_score_quiet_on_the_shipped_model_prints_nothing_on_stderr(tmp_path):
+    """`score --quiet` on the shipped model, from the command line: results in the file, exit 0,
+    and not one byte on stderr (torch's C++ NUMA notice and vLLM's log included)."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": "a", "prompt": "the", "continuation": " cat"}\n{"id": "b", "prompt": [1, 5]}\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "GENLM_VLM_VERBOSE")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "genlm_vlm", "score", str(src), str(dst), "--quiet",
+         "--engine-opt", "max_model_len=64", "--engine-opt", "kv_cache_memory_bytes=33554432"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "" and proc.stdout == ""
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in out] == ["a", "b"] and all("error" not in r for r in out)
+    assert math.isfinite(out[0]["continuation_logprob"]) and len(out[1]["top_k"]) == 5
 
 
 @pytest.mark.slow
@@ -497,7 +500,7 @@ def test_cli_end_to_end(llama_lm, model_paths, tmp_path):
          "--top-k", "4", "--chunk-size", "3", *opts],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # two records failed
     assert "scored 5, errors 2" in proc.stderr
     # vLLM's log is quiet by default (genlm_vlm.logs): none of its INFO or WARNING lines
     assert not re.search(r"^\(\S+ pid=\d+\) (INFO|WARNING) ", proc.stderr, re.M), proc.stderr[-3000:]

@@ -1,0 +1,179 @@
+"""JSONL files and the ``score`` command: reading records line by line, writing one result per
+line, the options and their checks before any model is loaded, and the exit status. Internal
+module of :mod:`genlm_vlm.scoring` (run it as ``python -m genlm_vlm score``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import IO, Any
+
+from .. import logs
+from .._paths import demo_model_path
+from ..cli import (
+    UsageError,
+    add_engine_opt_option,
+    add_verbosity_options,
+    parse_engine_opts,
+    resolve_model_arg,
+    verbosity_of,
+)
+from .records import InvalidLine
+from .scorer import _Scorer
+
+
+def read_jsonl(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any] | InvalidLine]]:
+    """``(line number, record)`` for each non-blank line; bad JSON gives :class:`InvalidLine`."""
+    for n, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            yield n, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield n, InvalidLine(f"invalid JSON: {e}")
+
+
+def _count_lines(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m genlm_vlm score",
+        description=(
+            "Score a JSONL file: for every record {prompt, continuation?, id?, add_bos?, "
+            "lora_name?}, the top-k next tokens after the prompt and log p(continuation | prompt). "
+            "Text is tokenized with tokenizer.encode(text, add_special_tokens=False). Writes one "
+            "JSON object per input record, in order; a record that cannot be scored gets an "
+            "'error' field and the others are scored."
+        ),
+        epilog=(
+            "exit status: 0 when every record was scored; 1 when any record failed (after every "
+            "record's result is written, the failed ones with their 'error') or the engine could "
+            "not be built; 2 for bad options (checked before the model is loaded)"
+        ),
+    )
+    p.add_argument("input", help="input JSONL file ('-' for stdin)")
+    p.add_argument("output", help="output JSONL file ('-' for stdout)")
+    p.add_argument(
+        "--model", default=None, help="HF hub name or local path (default: the shipped demo model)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=5, help="next tokens to list per record; 0 for none (default 5)"
+    )
+    p.add_argument(
+        "--chunk-size", type=int, default=256, help="prefixes per engine call (default 256)"
+    )
+    add_engine_opt_option(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_verbosity_options(
+        p,
+        quiet_help="no progress bar and no 'scored N, errors M' line: nothing on stderr but "
+        "errors (vLLM's included)",
+    )
+    return p
+
+
+def _check(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """``(engine options, model)`` from the options; raises :class:`UsageError` before any
+    model is loaded."""
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 leaves the top-k list out), got {args.top_k}")
+    if args.chunk_size < 1:
+        raise UsageError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    if args.input != "-" and not os.path.isfile(args.input):
+        raise UsageError(f"input file not found: {args.input} (give a JSONL file, or - for stdin)")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if args.output != "-" and not os.path.isdir(out_dir):
+        raise UsageError(f"output directory not found: {out_dir} (create it, or give - for stdout)")
+    engine_opts = parse_engine_opts(args.engine_opt)
+    model = demo_model_path() if args.model is None else resolve_model_arg(args.model)
+    return engine_opts, model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m genlm_vlm score``: 0 when every record was scored; 1 when any record failed
+    (every record's result is written first, the failed ones with their ``error``) or the engine
+    could not be built; 2 for bad options (checked before torch and vLLM are imported)."""
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    with logs.verbosity(verbosity_of(args)):
+        logs.quiet_torch_cpp_log()
+        try:
+            engine_opts, model = _check(args)
+        except UsageError as e:
+            print(f"score: error: {e}", file=sys.stderr)
+            return 2
+        # stdout may carry the results ('-'): vLLM's log (genlm_vlm.logs) and any stray print
+        # go to stderr
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        results_out = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            counts = _score_file(args, model, engine_opts, results_out)
+    if counts is None:
+        return 1
+    n_ok, n_err = counts
+    if not args.quiet:
+        print(f"scored {n_ok}, errors {n_err}", file=sys.stderr)
+    return 1 if n_err else 0
+
+
+def _score_file(
+    args: argparse.Namespace, model: str, engine_opts: dict[str, Any], stdout: IO[str]
+) -> tuple[int, int] | None:
+    """``(scored, errors)``; None (after a one-line message) when the engine cannot be built."""
+    from tqdm.auto import tqdm
+
+    from ..vllm_lm import AsyncVirtualLM
+
+    verbose = logs.vllm_log_level() <= logging.INFO
+    # vLLM's weight-loading bar is off unless verbose: engine.build_llm decides (as for the API)
+    try:
+        lm = AsyncVirtualLM.from_name(model, engine_opts)
+    except Exception as e:
+        if verbose:
+            raise
+        print(
+            f"score: error: could not build the engine for {args.model or model}: "
+            f"{type(e).__name__}: {e} (--verbose shows vLLM's log and the traceback)",
+            file=sys.stderr,
+        )
+        return None
+    n_ok = n_err = 0
+    src: IO[str] = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    dst: IO[str] = stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    try:
+        total = None if args.input == "-" else _count_lines(args.input)
+        bar = tqdm(
+            total=total,
+            desc="scoring",
+            unit="record",
+            disable=args.no_progress or args.quiet,
+            file=sys.stderr,
+        )
+        for result in _Scorer(lm, args.top_k, args.chunk_size).score(read_jsonl(src)):
+            dst.write(json.dumps(result, ensure_ascii=False) + "\n")
+            if "error" in result:
+                n_err += 1
+            else:
+                n_ok += 1
+            bar.update(1)
+        bar.close()
+    finally:
+        if src is not sys.stdin:
+            src.close()
+        if dst is stdout:
+            dst.flush()
+        else:
+            dst.close()
+        lm.cleanup()
+    return n_ok, n_err
