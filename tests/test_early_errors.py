@@ -15,8 +15,8 @@ import textwrap
 import pytest
 from conftest import ENGINE_OPTS, max_abs_diff
 
-from genlm_vlm import AsyncVirtualLM, load_model_by_name, vllm_lm
-from genlm_vlm.engine import build
+from genlm_vlm import AsyncVirtualLM, vllm_lm
+from genlm_vlm.engine import build, hub, options
 
 
 class _Stop(Exception):
@@ -46,44 +46,10 @@ def driver_calls(monkeypatch):
     return calls
 
 
-# ---------------------------------------------------------------- load_model_by_name / from_name
-@pytest.mark.parametrize("backend", ["hf", "mock", "transformers"])
-def test_other_backends_are_refused_with_the_supported_value(no_engine, backend):
-    with pytest.raises(ValueError, match=rf"unsupported backend '{backend}'.*'vllm'.*genlm\.backend"):
-        load_model_by_name("some/model", backend=backend)
-
-
-def test_mock_backend_points_to_the_mock(no_engine):
-    with pytest.raises(ValueError, match=r"genlm_vlm\.mock\.MockAsyncLM"):
-        load_model_by_name("some/model", backend="mock")
-
-
-def test_genlm_backend_signature_is_forwarded(driver_calls):
-    with pytest.raises(_Stop):
-        load_model_by_name("some/model", "vllm", {"dtype": "float32"}, sessions=False)
-    with pytest.raises(_Stop):
-        load_model_by_name("other/model", None, llm_opts={"max_model_len": 64})
-    with pytest.raises(_Stop):
-        load_model_by_name("third/model", engine_opts={"seed": 1})
-    (args0, kw0), (args1, _), (args2, _) = driver_calls
-    assert args0 == ("some/model", {"dtype": "float32"}) and kw0["sessions"] is False
-    assert args1 == ("other/model", {"max_model_len": 64})
-    assert args2 == ("third/model", {"seed": 1})
-
-
-def test_llm_opts_and_engine_opts_together_are_refused(no_engine):
-    with pytest.raises(TypeError, match="llm_opts.*engine_opts.*not both"):
-        load_model_by_name("some/model", llm_opts={}, engine_opts={})
-
-
-def test_engine_options_as_second_argument_point_to_llm_opts(no_engine):
-    with pytest.raises(TypeError, match="second argument is `backend`.*llm_opts="):
-        load_model_by_name("some/model", {"dtype": "float32"})
-
-
-@pytest.mark.parametrize("call", ["load_model_by_name", "from_name"])
-def test_unknown_keyword_raises_before_the_engine_is_built(no_engine, call):
-    build_fn = load_model_by_name if call == "load_model_by_name" else AsyncVirtualLM.from_name
+# ---------------------------------------------------------------- from_name
+# (load_model_by_name's own checks: tests/test_load_model_by_name.py)
+def test_unknown_keyword_raises_before_the_engine_is_built(no_engine):
+    build_fn = AsyncVirtualLM.from_name
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'batchsize'; did you mean 'batch_size'\?"):
         build_fn("some/model", batchsize=8)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'gpu_memory_utilization'.*engine_opts"):
@@ -111,22 +77,22 @@ def test_bad_chunk_size_raises_before_the_engine_is_built(no_engine):
     ],
 )
 def test_path_or_hub_id(name, is_path):
-    assert build._looks_like_path(name) is is_path
+    assert hub._looks_like_path(name) is is_path
 
 
 def test_name_under_an_existing_folder_is_a_path(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert build._looks_like_path("models/llama") is True
+    assert hub._looks_like_path("models/llama") is True
     with pytest.raises(FileNotFoundError, match="no such directory: .*models/llama"):
-        build.resolve_model("models/llama")
+        hub.resolve_model("models/llama")
 
 
 def test_existing_path_and_home_are_passed_through(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert build.resolve_model(str(tmp_path / "m")) == str(tmp_path / "m")
-    assert build.resolve_model("~/m") == str(tmp_path / "m")
+    assert hub.resolve_model(str(tmp_path / "m")) == str(tmp_path / "m")
+    assert hub.resolve_model("~/m") == str(tmp_path / "m")
 
 
 def _fake_cache(root: pathlib.Path, repo_id: str, source: pathlib.Path | None = None) -> pathlib.Path:
@@ -147,13 +113,13 @@ def _fake_cache(root: pathlib.Path, repo_id: str, source: pathlib.Path | None = 
 def hub_unreachable(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(build, "_hub_offline", lambda: False)
-    monkeypatch.setattr(build, "_hub_answers", lambda *a, **k: False)
+    monkeypatch.setattr(hub, "_hub_offline", lambda: False)
+    monkeypatch.setattr(hub, "_hub_answers", lambda *a, **k: False)
 
 
 def test_cached_model_is_used_from_its_snapshot_when_the_hub_is_unreachable(tmp_path, hub_unreachable):
     snapshot = _fake_cache(tmp_path, "genlm-test/cached")
-    assert build.resolve_model("genlm-test/cached", download_dir=str(tmp_path)) == str(snapshot)
+    assert hub.resolve_model("genlm-test/cached", download_dir=str(tmp_path)) == str(snapshot)
 
 
 def test_cached_model_is_used_offline_without_probing(tmp_path, monkeypatch):
@@ -163,18 +129,18 @@ def test_cached_model_is_used_offline_without_probing(tmp_path, monkeypatch):
     def no_probe(*args, **kwargs):
         raise AssertionError("the hub was probed although HF_HUB_OFFLINE=1")
 
-    monkeypatch.setattr(build, "_hub_answers", no_probe)
-    assert build.resolve_model("genlm-test/cached", download_dir=str(tmp_path)) == str(snapshot)
+    monkeypatch.setattr(hub, "_hub_answers", no_probe)
+    assert hub.resolve_model("genlm-test/cached", download_dir=str(tmp_path)) == str(snapshot)
     with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
-        build.resolve_model("genlm-test/not-cached", download_dir=str(tmp_path))
+        hub.resolve_model("genlm-test/not-cached", download_dir=str(tmp_path))
 
 
 def test_reachable_hub_gets_the_id_unchanged(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(build, "_hub_offline", lambda: False)
-    monkeypatch.setattr(build, "_hub_answers", lambda *a, **k: True)
-    assert build.resolve_model("genlm-test/not-cached") == "genlm-test/not-cached"
+    monkeypatch.setattr(hub, "_hub_offline", lambda: False)
+    monkeypatch.setattr(hub, "_hub_answers", lambda *a, **k: True)
+    assert hub.resolve_model("genlm-test/not-cached") == "genlm-test/not-cached"
 
 
 def _closed_port() -> int:
@@ -249,10 +215,10 @@ def test_memory_error_explanations_name_the_options():
         "Available memory on node 0 (1.00/8.00 GiB) on startup is less than desired CPU memory "
         "utilization (0.9, 7.20 GiB)."
     )
-    message = str(build._explain_memory_error(startup, {"gpu_memory_utilization": 0.9}))
+    message = str(options._explain_memory_error(startup, {"gpu_memory_utilization": 0.9}))
     assert "gpu_memory_utilization=0.9" in message and "lower" in message
     assert "kv_cache_memory_bytes" in message and "default is 0.3" in message
-    assert build._explain_memory_error(ValueError("something else"), {}) is None
+    assert options._explain_memory_error(ValueError("something else"), {}) is None
 
 
 @pytest.fixture(scope="module")

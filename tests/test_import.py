@@ -85,8 +85,10 @@ HEAVY = ("torch", "vllm", "transformers")
         (["demo", "--no-such-option"], 2),  # argparse's error
         (["demo", "--particles", "0"], 2),  # demo's own option check
         (["score", "no-such-input.jsonl", "-"], 2),
+        (["demo", "--model", "/no/such/dir"], 2),  # the path is checked before torch loads
+        (["score", "-", "-", "--model", "./no-such-model"], 2),
     ],
-    ids=["demo-help", "score-help", "demo-bad-option", "demo-bad-value", "score-no-input"],
+    ids=["demo-help", "score-help", "demo-bad-option", "demo-bad-value", "score-no-input", "demo-no-model", "score-no-model"],
 )
 def test_command_help_and_option_errors_do_not_import_torch(argv, code):
     """`COMMAND --help` and option errors answer without importing torch, vLLM or transformers
@@ -129,6 +131,23 @@ def test_lazy_names_are_listed_and_cached():
     assert genlm_vlm.__dict__["UnknownAdapterError"] is cls  # resolved once, then a plain attribute
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         genlm_vlm.NoSuchThing  # noqa: B018
+
+
+def test_package_docstring_lists_the_public_names_and_marks_the_rest_internal():
+    import re
+
+    doc = genlm_vlm.__doc__
+    named = set(re.findall(r":(?:class|func):`(\w+)`", doc)) | ({"__version__"} if "``__version__``" in doc else set())
+    assert named == set(genlm_vlm.__all__), named ^ set(genlm_vlm.__all__)
+    assert set(genlm_vlm.__all__) == {*genlm_vlm._LAZY, "__version__", "load_model_by_name"}
+    internal = doc.split("Everything else is internal", 1)[1]
+    package = REPO / "genlm_vlm"
+    modules = {p.stem for p in package.glob("*.py")} | {p.parent.name for p in package.glob("*/__init__.py")}
+    public = {"__init__", "__main__", "vocab", "control", "logs", "testing", "scoring", "demo"}
+    for name in sorted(modules - public):
+        assert f"``{name}``" in internal, f"{name} is neither listed as public nor marked internal"
+    for name in sorted(public - {"__init__", "__main__"}):
+        assert f":mod:`genlm_vlm.{name}`" in doc, name
 
 
 def test_capture_classes_resolve_to_one_class_each():
