@@ -51,7 +51,6 @@ logits, 151665 tokens). Rows have one column per logit, and so do ``lm.byte_voca
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +59,7 @@ import torch
 from .base import AsyncLM, TokenIds
 from .vocab import unpadded_length
 
-__all__ = ["UnpaddedLM", "as_genlm_backend", "prompted_llm", "without_padding"]
+__all__ = ["UnpaddedLM", "prompted_llm", "without_padding"]
 
 
 def _known_ids(lm: Any) -> int:
@@ -167,35 +166,12 @@ class UnpaddedLM(AsyncLM):
         self.cleanup()
 
 
-#: The earlier name of :class:`UnpaddedLM`.
-GenlmBackendLM = UnpaddedLM
-
-
 def without_padding(lm: Any) -> Any:
     """``lm`` without its padded logit columns: an :class:`UnpaddedLM` view, or ``lm`` itself
     when every logit has a token (most models; the view of a view is that view)."""
     if isinstance(lm, UnpaddedLM):
         return lm
     return UnpaddedLM(lm) if _known_ids(lm) < lm.vocab_size else lm
-
-
-def as_genlm_backend(lm: Any, *, trim_padding: bool = True) -> Any:
-    """Deprecated: pass the model itself to ``PromptedLLM``, ``ByteLLM`` or ``CachedCausalLM``.
-
-    Kept for code written against earlier genlm_vlm versions. Returns :func:`without_padding`
-    ``(lm)`` (with ``trim_padding``, the default) or ``lm`` itself, unwrapping an
-    :class:`UnpaddedLM` first.
-    """
-    warnings.warn(
-        "genlm_vlm.control.as_genlm_backend(lm) is no longer needed: genlm-control, genlm-bytes "
-        "and llamppl accept an AsyncVirtualLM directly (use without_padding(lm) for a model "
-        "with padded logit columns)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if isinstance(lm, UnpaddedLM):
-        lm = lm.lm
-    return without_padding(lm) if trim_padding else lm
 
 
 def prompted_llm(lm: Any, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Any:

@@ -497,16 +497,10 @@ async def test_a_padded_model_works_with_genlm_control_and_genlm_bytes_as_it_is(
         await beam.cleanup()
 
 
-def test_as_genlm_backend_is_deprecated(control, llama_lm):
-    with pytest.warns(DeprecationWarning, match="no longer needed"):
-        assert control.as_genlm_backend(llama_lm) is llama_lm
-    lm = _StubLM()
-    with pytest.warns(DeprecationWarning):
-        view = control.as_genlm_backend(lm)
-    assert view.vocab_size == 4
-    with pytest.warns(DeprecationWarning):
-        assert control.as_genlm_backend(view, trim_padding=False) is lm
-    assert control.GenlmBackendLM is control.UnpaddedLM
+def test_pre_release_shims_are_gone(control):
+    """0.1.0 was never released: the names kept for earlier development versions are removed."""
+    assert not hasattr(control, "as_genlm_backend") and not hasattr(control, "GenlmBackendLM")
+    assert set(control.__all__) == {"UnpaddedLM", "prompted_llm", "without_padding"}
 
 
 # ---------------------------------------------------------------------------------- import order
