@@ -13,10 +13,8 @@ import argparse
 import importlib
 import importlib.util
 import json
-import pathlib
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 _COMMANDS = {
@@ -107,32 +105,6 @@ def add_engine_opt_option(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------ --model
-def _hub_module() -> ModuleType | None:
-    """``genlm_vlm.engine.hub`` without importing the ``genlm_vlm.engine`` package when that is
-    not loaded yet: the package imports torch (about a second), ``hub.py`` itself needs only the
-    standard library and ``huggingface_hub``. None when the module is not where it should be
-    (then the engine build checks the name, after torch is imported)."""
-    loaded = sys.modules.get("genlm_vlm.engine.hub")
-    if loaded is not None or "genlm_vlm.engine" in sys.modules:
-        try:
-            return loaded or importlib.import_module("genlm_vlm.engine.hub")
-        except ImportError:
-            return None
-    path = pathlib.Path(__file__).resolve().parent / "engine" / "hub.py"
-    spec = importlib.util.spec_from_file_location("genlm_vlm._cli_hub", path) if path.is_file() else None
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError:  # it came to need the package after all
-        try:
-            return importlib.import_module("genlm_vlm.engine.hub")
-        except ImportError:
-            return None
-    return module
-
-
 def resolve_model_arg(name: str) -> str:
     """Check ``--model`` before torch and vLLM are imported; return what to build the engine from.
 
@@ -140,11 +112,10 @@ def resolve_model_arg(name: str) -> str:
     not exist fails at once, a hub id is looked up in the local Hugging Face cache when the hub
     does not answer. Raises :class:`UsageError` with that function's message.
     """
-    hub = _hub_module()
-    if hub is None:
-        return name
+    from .engine.hub import resolve_model  # standard library and huggingface_hub only
+
     try:
-        return str(hub.resolve_model(name))
+        return str(resolve_model(name))
     except FileNotFoundError as e:
         raise UsageError(f"--model: {e}") from None
 

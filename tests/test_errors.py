@@ -99,7 +99,7 @@ def test_engine_failure_mid_generate_then_next_call_is_clean(fresh_lm, model_pat
     fail_first_capture(lm, "boom in the sampler")
     with pytest.raises(RuntimeError, match="boom"):
         lm.batch_next_token_logprobs_sync([[5, 6, 7], [8, 9]])
-    assert not lm._driver._by_rid and lm.stats["sessions"]["live"] == 0
+    assert not lm._driver._loop._by_rid and lm.stats["sessions"]["live"] == 0
     prompts = [[11, 12], [13, 14, 15]]
     rows = lm.batch_next_token_logprobs_sync(prompts)
     assert max_abs_diff(rows, hf_reference_logprobs(model_paths["llama"], prompts)) < 1e-4

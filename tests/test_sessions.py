@@ -187,18 +187,19 @@ async def test_seeded_sampling_with_chunked_prefill_reproduces(model_paths):
 def _signal_after_steps(driver, n: int) -> tuple[threading.Event, object]:
     """An event set once the engine thread has run ``n`` more steps; returns (event, restore)."""
     event = threading.Event()
-    real_step = driver._step
+    loop = driver._loop
+    real_step = loop._step
     target = driver.stats()["engine_steps"] + n
 
     def step():
         real_step()
-        if driver._counts["engine_steps"] >= target:
+        if loop._counts["engine_steps"] >= target:
             event.set()
 
-    driver._step = step
+    loop._step = step
 
     def restore():
-        driver._step = real_step
+        loop._step = real_step
 
     return event, restore
 

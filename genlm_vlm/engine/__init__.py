@@ -15,21 +15,53 @@ When vLLM's layout is not what genlm_vlm expects, :class:`VLLMLayoutError` names
 vLLM version and what was missing.
 """
 
-from .build import (
-    ModelInfo,
-    VLLMLayoutError,
-    build_llm,
-    drop_unusable_v2_flag,
-    is_cpu_platform,
-    make_lora_request,
-    predict_v2_runner,
-    shield_llvmlite,
-    vllm_version,
-)
-from .core import EngineCore, StepResult, VLLMCore, sessions_supported
-from .jobs import SampleSpec, Ticket
-from .loop import EngineDriver, wait_all
-from .options import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .build import (
+        ModelInfo,
+        VLLMLayoutError,
+        build_llm,
+        drop_unusable_v2_flag,
+        is_cpu_platform,
+        make_lora_request,
+        predict_v2_runner,
+        shield_llvmlite,
+        vllm_version,
+    )
+    from .core import EngineCore, StepResult, VLLMCore, sessions_supported
+    from .jobs import SampleSpec, Ticket
+    from .loop import EngineDriver, wait_all
+    from .options import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS
+
+# Names load on first access, so ``genlm_vlm.engine.hub`` and ``.options`` (pure Python) can be
+# imported without torch (the command-line checks run before anything heavy loads).
+_LAZY = {
+    **dict.fromkeys(
+        ("ModelInfo", "VLLMLayoutError", "build_llm", "drop_unusable_v2_flag", "is_cpu_platform",
+         "make_lora_request", "predict_v2_runner", "shield_llvmlite", "vllm_version"), ".build"),
+    **dict.fromkeys(("EngineCore", "StepResult", "VLLMCore", "sessions_supported"), ".core"),
+    **dict.fromkeys(("SampleSpec", "Ticket"), ".jobs"),
+    **dict.fromkeys(("EngineDriver", "wait_all"), ".loop"),
+    **dict.fromkeys(("CPU_ENGINE_OPTS", "DEFAULT_ENGINE_OPTS"), ".options"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CPU_ENGINE_OPTS",

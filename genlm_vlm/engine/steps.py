@@ -1,0 +1,452 @@
+"""The step loop: everything the engine thread does between two looks at its inbox.
+
+:class:`StepLoop` holds the engine thread's state (the core, the session table, the queued and
+in-flight jobs, the counters) and runs the loop described in :mod:`.loop`. It is built and run
+on the engine thread by :class:`~.loop.EngineDriver`, and every attribute and method here is
+for that thread only: other threads reach it by posting messages to the shared inbox (or
+:class:`~.jobs.Call` to run a function between steps).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from .build import ModelInfo
+from .core import EngineCore, StepResult
+from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
+from .sessions import SessionTable
+
+logger = logging.getLogger(__name__)
+
+Tokens = tuple[int, ...]
+
+#: Idle sessions are evicted (least recently used first) while KV usage is above this fraction.
+DEFAULT_KV_EVICT_THRESHOLD = 0.9
+#: Consecutive engine steps that schedule nothing, with no idle session left to evict, before
+#: the waiting jobs are failed.
+MAX_STALLED_STEPS = 8
+
+
+class StepLoop:
+    """The engine thread's state and loop (engine thread only).
+
+    Args:
+        core: the engine core it drives.
+        info: the model facts, with ``mode`` (``"sessions"`` or ``"requests"``) decided.
+        inbox, wake: the messages other threads post, and the event they set after posting.
+        output_device: where rows are delivered (None: where the core puts them).
+        max_sessions: cap on idle sessions (None: ``info.max_num_seqs``).
+        kv_threshold: evict idle sessions while KV usage is above this fraction.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        info: ModelInfo,
+        inbox: deque[Message],
+        wake: threading.Event,
+        *,
+        output_device: torch.device | None,
+        max_sessions: int | None,
+        kv_threshold: float,
+    ) -> None:
+        self.core = core
+        self.info = info
+        self.resumable = info.mode == "sessions"
+        self.output_device = output_device
+        self.log_stats = core.log_stats
+        self._reports_tokens = core.reports_tokens
+        self._split_lora = core.split_lora
+        self._inbox = inbox
+        self._wake = wake
+        self._kv_threshold = kv_threshold
+        self._max_num_seqs = max(1, info.max_num_seqs)
+        cap = self._max_num_seqs if max_sessions is None else max_sessions
+        self._max_idle = min(cap, self._max_num_seqs)
+        self._ids = itertools.count()
+        self._table = SessionTable()
+        self._queue: deque[Job] = deque()  # admitted in order by _admit()
+        self._by_rid: dict[str, Job] = {}
+        self._by_key: dict[tuple[int, Tokens], Job] = {}
+        self._outbox = Outbox()
+        self._stalls = 0
+        self._counts = {"engine_calls": 0, "engine_steps": 0, "engine_requests": 0, "rows": 0}
+        self._tokens = {"prefill": 0, "session": 0, "cached": 0, "scheduled": 0}
+        self._prefix_cache = {"queries": 0, "hits": 0}
+        # Wall time of the engine thread since the loop started, split three ways (seconds):
+        # inside core.step(), our own work, and waiting for work (the program's turn).
+        self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
+
+    def run(self) -> None:
+        clock = time.perf_counter
+        spent = self._time
+        mark = clock()
+        while True:
+            self._wake.clear()
+            stop = self._drain()
+            if stop is not None:
+                self.stop(stop)
+                return
+            self._admit()
+            if self._by_rid:
+                self._evict_for_kv()
+                t0 = clock()
+                spent["host"] += t0 - mark
+                self._step()
+                mark = clock()
+                self._enforce_caps()
+            elif not self._inbox:
+                self._outbox.flush()
+                t0 = clock()
+                spent["host"] += t0 - mark
+                self._wake.wait()
+                mark = clock()
+                spent["idle"] += mark - t0
+
+    def _drain(self) -> cf.Future | None:
+        inbox = self._inbox
+        while inbox:
+            match inbox.popleft():
+                case PostJobs(jobs):
+                    self._queue.extend(jobs)
+                    self._counts["engine_calls"] += 1
+                case Cancel(job):
+                    self._cancel(job)
+                case Call(fn, args, kwargs, fut):
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(*args, **kwargs))
+                        except BaseException as e:  # noqa: BLE001 - handed to the caller
+                            fut.set_exception(e)
+                case Stop(done):
+                    return done
+        self._outbox.flush()  # results of calls and cancellations
+        return None
+
+    # ---------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        """Turn queued jobs into engine requests, in order."""
+        claimed: set[tuple[int, Tokens]] = set()
+        claimed_lengths: set[int] = set()
+        queue = self._queue
+        by_key = self._by_key
+        while queue:
+            job = queue[0]
+            if not job.wanted():
+                queue.popleft()
+                continue
+            if self._split_lora and self._by_rid:
+                busy_lora = next(iter(self._by_rid.values())).lora is not None
+                if (job.lora is not None) != busy_lora:
+                    return  # wait until the other kind has left the engine
+            queue.popleft()
+            if job.kind == "logprobs":
+                key = (job.adapter, job.ids)
+                twin = by_key.get(key)
+                if twin is not None:
+                    twin.waiters.extend(job.waiters)
+                    for w in job.waiters:
+                        if type(w) is Ticket:
+                            w.job = twin
+                    continue
+                by_key[key] = job
+            if job.kind == "sample":
+                self._start_sample(job)
+            else:
+                self._start_rows(job, job.ids, claimed, claimed_lengths)
+
+    def _start_rows(self, job: Job, ids: Tokens, claimed: set[tuple[int, Tokens]], claimed_lengths: set[int]) -> None:
+        """Send a request whose last row is wanted: a session chunk, a new session or a plain
+        request. ``claimed``: sessions continued in this admission round (for fork counting)."""
+        table = self._table
+        resumable = self.resumable
+        session = job.session
+        if session is not None:  # seeded sampling: the job owns its session
+            chunk = ids[len(session.tokens):]
+            table.extend(session, chunk)
+            rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
+        elif resumable and (session := table.find(job.adapter, ids)) is not None:
+            claimed.add((job.adapter, session.tokens))
+            claimed_lengths.add(len(session.tokens))
+            chunk = table.claim(session, ids)
+            table.counters.continued += 1
+            rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
+        elif resumable:
+            if any((job.adapter, ids[:n]) in claimed for n in claimed_lengths if n < len(ids)):
+                table.counters.forked += 1
+            else:
+                table.counters.opened += 1
+            rid = f"s{next(self._ids)}"
+            session = table.open(rid, job.adapter, ids)
+            tag, tokens, is_chunk = f"{rid}.0", list(ids), False
+        else:
+            rid = f"q{next(self._ids)}"
+            tag, tokens, is_chunk = rid, list(ids), False
+        job.rid, job.tag, job.session = rid, tag, session
+        try:
+            self.core.add_rows(rid, tokens, tag, job.lora, resumable)
+        except Exception as e:  # noqa: BLE001 - this job's error only
+            self._end_job(job, exc=e, abort=is_chunk)
+            return
+        self._by_rid[rid] = job
+        self._counts["engine_requests"] += 1
+        self._tokens["session" if is_chunk else "prefill"] += len(tokens)
+
+    def _start_sample(self, job: Job) -> None:
+        spec = job.spec
+        assert spec is not None
+        rid = f"g{next(self._ids)}"
+        job.rid = rid
+        try:
+            self.core.add_sample(rid, list(job.ids), spec.max_tokens, spec.temperature, spec.eos, job.lora)
+        except Exception as e:  # noqa: BLE001
+            self._outbox.resolve(job, exc=e)
+            return
+        self._by_rid[rid] = job
+        self._counts["engine_requests"] += 1
+        self._tokens["prefill"] += len(job.ids)
+
+    # ---------------------------------------------------------------- stepping
+    def _step(self) -> None:
+        core = self.core
+        clock = time.perf_counter
+        t0 = clock()
+        try:
+            result = core.step()
+        except Exception as e:  # noqa: BLE001 - fails this step's jobs only
+            self._time["step"] += clock() - t0
+            logger.warning("engine step failed: %r; failing the %d request(s) in it", e, len(self._by_rid))
+            for job in list(self._by_rid.values()):
+                self._end_job(job, exc=e, abort=True)
+            self._outbox.flush()
+            return
+        self._time["step"] += clock() - t0
+        self._counts["engine_steps"] += 1
+        self._read_stats(result)
+        if not result.executed:
+            self._on_stall()
+        else:
+            self._stalls = 0
+        self._route(result, core)
+        self._outbox.flush()
+
+    def _route(self, result: StepResult, core: EngineCore) -> None:
+        """Resolve the jobs whose requests finished in this step."""
+        by_rid = self._by_rid
+        rows: list[tuple[Job, torch.Tensor]] = []
+        for out in result.outputs:
+            job = by_rid.get(out.request_id)
+            if job is None:
+                continue
+            if job.kind == "sample":
+                job.out.extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    del by_rid[out.request_id]
+                    toks = job.out
+                    if toks and job.spec is not None and toks[-1] in job.spec.eos:
+                        toks.pop()
+                    self._outbox.resolve(job, toks)
+                continue
+            if out.finish_reason is None:
+                continue
+            prefill = getattr(out, "prefill_stats", None)
+            if prefill is not None:
+                self._tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
+            row = core.sink.pop(job.tag)  # type: ignore[arg-type]
+            if row is None:
+                self._end_job(job, exc=RuntimeError(
+                    f"vLLM {self.info.vllm_version} finished request {job.rid} without the capture seeing "
+                    "its logits; is another logits processor or speculative decoding interfering?"
+                ), abort=True)
+                continue
+            if job.kind == "logprobs":
+                rows.append((job, row))
+            else:
+                self._next_seeded(job, row)
+        if rows:
+            self._deliver(rows)
+
+    def _deliver(self, rows: list[tuple[Job, torch.Tensor]]) -> None:
+        """Resolve row jobs; every waiter gets a tensor of its own (the sink's tensor goes to
+        the first waiter, copies to the others)."""
+        device = self.output_device
+        if device is not None and rows[0][1].device != device:
+            moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
+            rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
+        self._counts["rows"] += len(rows)
+        for job, row in rows:
+            if len(job.waiters) > 1:
+                self._end_job_shared(job, row)
+            else:
+                self._end_job(job, value=row)
+
+    def _end_job_shared(self, job: Job, row: torch.Tensor) -> None:
+        waiters = job.waiters
+        live = [w for w in waiters if not w.done()]
+        for i, w in enumerate(live):
+            job.waiters = [w]
+            self._outbox.resolve(job, row if i == 0 else row.clone())
+        job.waiters = waiters
+        self._end_job(job)  # bookkeeping; every waiter is resolved already
+
+    def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
+        spec = job.spec
+        assert spec is not None and job.generator is not None
+        row = row.to("cpu", torch.float32)
+        if spec.temperature == 0.0:
+            token = int(torch.argmax(row))
+        else:
+            probs = torch.softmax(row / spec.temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=job.generator))
+        job.out.append(token)
+        total = len(job.ids) + len(job.out)
+        if token in spec.eos or len(job.out) >= spec.max_tokens or total >= self.info.max_model_len:
+            toks = job.out[:-1] if token in spec.eos else job.out
+            self._end_job(job, value=list(toks))
+            return
+        del self._by_rid[job.rid]  # type: ignore[arg-type]
+        # A session job sends the token as a chunk; a plain one, a new request per token.
+        self._start_rows(job, job.ids + tuple(job.out), set(), set())
+
+    def _read_stats(self, result: StepResult) -> None:
+        if result.scheduled_tokens is not None:
+            self._tokens["scheduled"] += result.scheduled_tokens
+        self._prefix_cache["queries"] += result.prefix_queries
+        self._prefix_cache["hits"] += result.prefix_hits
+
+    def stats(self) -> dict[str, Any]:
+        c = self._counts
+        return {
+            "mode": None if self.info is None else self.info.mode,
+            "engine_calls": c["engine_calls"],
+            "engine_steps": c["engine_steps"],
+            "engine_requests": c["engine_requests"],
+            "rows": c["rows"],
+            "sessions": self._table.snapshot(),
+            "tokens": dict(self._tokens, scheduled=self._tokens["scheduled"] if self._reports_tokens else None),
+            "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
+            "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
+            "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
+        }
+
+    # ---------------------------------------------------------------- job endings
+    def _end_job(self, job: Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:
+        """Resolve ``job``; park its session (success) or abort its request (``abort``)."""
+        rid = job.rid
+        if rid is not None and self._by_rid.get(rid) is job:
+            del self._by_rid[rid]
+        if job.kind == "logprobs":
+            key = (job.adapter, job.ids)
+            if self._by_key.get(key) is job:
+                del self._by_key[key]
+        if job.tag is not None and value is None:
+            self.core.sink.discard([job.tag])  # a row the job will never take
+        session = job.session
+        if abort and rid is not None:
+            self._abort([rid])
+        if session is not None:
+            if exc is None and not abort:
+                old = self._table.park(session.rid)
+                if old is not None:
+                    self._evict(old, indexed=False)
+            elif self._table.drop(session.rid) is not None:
+                self._table.counters.closed += 1
+        self._outbox.resolve(job, value, exc)
+
+    def _cancel(self, job: Job) -> None:
+        if job.kind == "logprobs":  # its waiters may have joined an identical job in flight
+            job = self._by_key.get((job.adapter, job.ids), job)
+        if job.wanted():
+            return
+        if job.rid is not None and self._by_rid.get(job.rid) is job:
+            self._end_job(job, abort=True)
+        elif job.kind == "logprobs" and self._by_key.get((job.adapter, job.ids)) is job:
+            del self._by_key[(job.adapter, job.ids)]
+
+    def _abort(self, rids: list[str]) -> None:
+        try:
+            self.core.abort(rids)
+        except Exception:  # noqa: BLE001 - the request may already be gone
+            logger.warning("could not abort request(s) %s", rids, exc_info=True)
+
+    # ---------------------------------------------------------------- eviction
+    def _evict(self, session: Any, indexed: bool = True) -> None:
+        if indexed:
+            self._table.drop(session.rid)
+        self._abort([session.rid])
+        self._table.counters.evicted += 1
+
+    def evict_all_idle(self) -> int:
+        n = 0
+        while (s := self._table.lru()) is not None:
+            self._evict(s)
+            n += 1
+        return n
+
+    def remove_lora(self, int_id: int) -> None:
+        for s in [s for s in self._table.idle.values() if s.adapter == int_id]:
+            self._evict(s)
+        self.core.remove_lora(int_id)
+
+    def _enforce_caps(self) -> None:
+        table = self._table
+        while table.idle and (
+            len(table.idle) > self._max_idle or len(table.idle) + len(self._by_rid) > self._max_num_seqs
+        ):
+            self._evict(table.lru())
+
+    def _evict_for_kv(self) -> None:
+        table = self._table
+        if not table.idle:
+            return
+        core = self.core
+        while table.idle and core.kv_usage() > self._kv_threshold:
+            self._evict(table.lru())
+
+    def _on_stall(self) -> None:
+        """A step scheduled nothing although jobs wait: parked sessions hold the slots or the
+        KV blocks (vLLM never preempts them); release them, or give up after a while."""
+        if self.evict_all_idle():
+            self._stalls = 0
+            return
+        self._stalls += 1
+        if self._stalls >= MAX_STALLED_STEPS:
+            self._stalls = 0
+            err = RuntimeError(
+                "vLLM could not schedule the waiting requests (the KV cache is too small for them?): "
+                "raise kv_cache_memory_bytes or gpu_memory_utilization in engine_opts, or send "
+                "shorter prompts"
+            )
+            for job in list(self._by_rid.values()):
+                self._end_job(job, exc=err, abort=True)
+
+    # ---------------------------------------------------------------- shutdown
+    def stop(self, done: cf.Future, err: BaseException | None = None) -> None:
+        if err is None:
+            err = RuntimeError("the engine was shut down while the request was pending")
+        for job in list(self._by_rid.values()) + list(self._queue):
+            self._outbox.resolve(job, exc=err)
+        self._by_rid.clear()
+        self._by_key.clear()
+        self._queue.clear()
+        while self._inbox:  # calls posted before the stop get an answer too
+            match self._inbox.popleft():
+                case Call(future=fut) if fut.set_running_or_notify_cancel():
+                    fut.set_exception(err)
+                case PostJobs(jobs):
+                    for job in jobs:
+                        self._outbox.resolve(job, exc=err)
+        self._outbox.flush()
+        try:
+            self.core.release()
+        except Exception:  # noqa: BLE001 - freeing is best effort; say what failed
+            logger.warning("could not shut the engine down cleanly", exc_info=True)
+        done.set_result(None)
