@@ -180,6 +180,41 @@ _live: set[int] = set()
 _live_lock = threading.Lock()
 
 
+#: Seconds tensor-parallel workers get to exit after their death pipe closes, then after SIGTERM,
+#: before the next signal (vLLM's own grace period is 5 s plus 4 s).
+WORKER_EXIT_GRACE = (0.5, 1.0)
+
+
+def stop_workers(llm: Any) -> int:
+    """Stop a multiprocessing executor's worker processes quickly: close their death pipes,
+    wait :data:`WORKER_EXIT_GRACE`, then SIGTERM, then SIGKILL. Returns how many workers there
+    were (0 for an in-process executor). vLLM's own shutdown then finds them gone."""
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+    except AttributeError as e:
+        raise _layout_error(f"cannot reach the engine's executor to stop its workers ({e})") from e
+    workers = getattr(executor, "workers", None) or []
+    procs = [w.proc for w in workers if getattr(w, "proc", None) is not None]
+    if not procs:
+        return 0
+    for w in workers:
+        if getattr(w, "death_writer", None) is not None:
+            w.death_writer.close()
+            w.death_writer = None
+    for grace, signal_next in zip(WORKER_EXIT_GRACE, ("terminate", "kill"), strict=True):
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        for proc in alive:
+            getattr(proc, signal_next)()
+    for proc in procs:
+        proc.join(1.0)
+    return len(procs)
+
+
 def release_engine(llm: Any, *, last: bool) -> None:
     """Free an engine. ``last``: no other engine lives in this process (full vLLM teardown).
 
@@ -428,6 +463,8 @@ class VLLMCore:
             _live.discard(id(self))
             last = not _live
         try:
+            if self.sink.remote is not None:  # tensor parallel: do not wait out vLLM's grace period
+                stop_workers(self.llm)
             release_engine(self.llm, last=last)
         finally:
             if self.sink.remote is not None:
