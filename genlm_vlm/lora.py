@@ -74,7 +74,14 @@ class LoraRegistry:
             )
         return adapter
 
+    def get(self, name: str) -> Adapter | None:
+        """The adapter registered under ``name``, or None (the default adapter plays no part)."""
+        with self._lock:
+            return self._by_name.get(name)
+
     def remove(self, name: str) -> Adapter:
+        """Unregister ``name`` (and stop using it as the default); raises
+        :class:`UnknownAdapterError` when it is not registered."""
         with self._lock:
             adapter = self._by_name.pop(name, None)
             if adapter is not None and self._default == name:

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import AsyncLM, TokenIds, check_batch_size, check_timeout
-from .lora import LoraRegistry
+from .base import Query, SampleArgs, ServingLM
+from .lora import Adapter
 
 __all__ = ["MockAsyncLM", "MockTokenizer", "default_byte_vocab"]
 
@@ -121,7 +121,7 @@ class MockTokenizer:
         return f"MockTokenizer(n={len(self)}, bos={self.bos_token_id}, eos={self.eos_token_id})"
 
 
-class MockAsyncLM(AsyncLM):
+class MockAsyncLM(ServingLM):
     """Deterministic pseudo-random next-token rows with :class:`~genlm_vlm.AsyncVirtualLM`'s API.
 
     Args:
@@ -140,16 +140,21 @@ class MockAsyncLM(AsyncLM):
         batch_size, timeout: Accepted, validated and settable like ``AsyncVirtualLM``'s; they
             change nothing here (rows are computed at once).
 
-    Rows are float32 CPU tensors ``[V]`` (each call returns a new tensor). ``stats`` counts
+    Rows are float32 CPU tensors ``[V]`` (each call returns a new tensor); ``chunk_size`` and
+    ``show_progress`` of the blocking batch call are accepted and change nothing. ``sample``
+    draws from the rows (``temperature=0``: greedy; with ``seed``:
+    ``torch.Generator().manual_seed(seed)``, without: torch's global RNG). ``stats`` counts
     ``calls`` (row requests: one per prompt, including those inside batch calls and scoring),
     ``samples`` (sample requests) and ``tokens`` (prompt tokens seen). LoRA adapters are
     registered by name without being read; an adapter's rows depend on its path, so two names
     for one path give the same rows. An adapter not registered raises
-    :class:`~genlm_vlm.UnknownAdapterError`.
+    :class:`~genlm_vlm.UnknownAdapterError`. Nothing is cached and nothing is ever pending, so
+    ``clear_cache`` and ``reset_async_queries`` do nothing.
     """
 
     genlm_backend_class = "MockAsyncLM"
     _context_limit_hint = "Shorten the prompt, or build the mock with a larger max_model_len."
+    _cleanup_blocks = False
 
     def __init__(
         self,
@@ -165,6 +170,7 @@ class MockAsyncLM(AsyncLM):
         batch_size: int = 256,
         timeout: float = 0.0,
     ) -> None:
+        super().__init__(batch_size=batch_size, timeout=timeout)
         if tokenizer is None:
             if byte_vocab is None:
                 byte_vocab = default_byte_vocab()
@@ -191,11 +197,8 @@ class MockAsyncLM(AsyncLM):
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, numbers.Integral) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
         self.max_model_len = int(max_model_len)
-        self.batch_size = batch_size
-        self.timeout = timeout
-        self._loras = LoraRegistry()
-        self._closed = False
         self._stats = {"calls": 0, "samples": 0, "tokens": 0}
+        self._closed = False
 
     @classmethod
     def from_name(cls, model_name: str | os.PathLike[str], **kwargs: Any) -> MockAsyncLM:
@@ -218,51 +221,19 @@ class MockAsyncLM(AsyncLM):
                     kwargs["vocab_size"] = size
         return cls(tokenizer, **kwargs)
 
-    # ------------------------------------------------------------------ attributes
     @property
     def vocab_size(self) -> int:
         """Logit width V: the length of every returned row."""
         return self._vocab_size
 
     @property
-    def batch_size(self) -> int:
-        """Accepted for API compatibility with ``AsyncVirtualLM`` (no effect here)."""
-        return self._batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self._batch_size = check_batch_size(value)
-
-    @property
-    def timeout(self) -> float:
-        """Accepted for API compatibility with ``AsyncVirtualLM`` (no effect here)."""
-        return self._timeout
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        self._timeout = check_timeout(value)
-
-    @property
     def stats(self) -> dict[str, int]:
         """Counters: ``calls`` (rows requested), ``samples`` (sample requests), ``tokens``."""
         return dict(self._stats)
 
-    @property
-    def lora_names(self) -> list[str]:
-        """Names of the registered adapters."""
-        return self._loras.names()
-
-    # ------------------------------------------------------------------ rows
-    def _check_open(self) -> None:
-        if self._closed:
-            from .vllm_lm import ClosedError  # vllm_lm does not import vLLM at module level
-
-            raise ClosedError("this MockAsyncLM was cleaned up; build a new one")
-
-    def _row(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> torch.Tensor:
-        self._check_open()
-        ids = self._check_ids(token_ids, what)
-        adapter = self._loras.resolve(lora_name)
+    # ------------------------------------------------------------------ ServingLM hooks
+    def _compute(self, ids: Sequence[int], adapter: Adapter | None) -> torch.Tensor:
+        """The row of ``ids`` under ``adapter``: a function of ``(seed, adapter path, ids)``."""
         digest = hashlib.blake2b(digest_size=8)
         digest.update(self.seed.to_bytes(16, "little", signed=True))
         digest.update(b"" if adapter is None else adapter.path.encode("utf-8", "surrogatepass"))
@@ -274,99 +245,31 @@ class MockAsyncLM(AsyncLM):
         self._stats["tokens"] += len(ids)
         return torch.log_softmax(logits, dim=-1)
 
-    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
-        """Row after ``token_ids``: float32 CPU ``[V]`` (same arguments and errors as
-        ``AsyncVirtualLM.next_token_logprobs``)."""
-        return self._row(token_ids, lora_name)
+    async def _row(self, query: Query) -> torch.Tensor:
+        return self._compute(query.ids, query.adapter)
 
-    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
-        """Blocking :meth:`next_token_logprobs`."""
-        return self._row(token_ids, lora_name)
+    async def _rows(self, queries: list[Query]) -> torch.Tensor:
+        return self._rows_sync(queries, None, False)
 
-    async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Rows for every prompt: float32 ``[N, V]`` in input order."""
-        return self._rows(token_ids_list, lora_name)
+    def _rows_sync(self, queries: list[Query], chunk_size: int | None, show_progress: bool) -> torch.Tensor:
+        if not queries:
+            return self._no_rows()
+        return torch.stack([self._compute(q.ids, q.adapter) for q in queries])
 
-    def batch_next_token_logprobs_sync(
-        self,
-        token_ids_list: Sequence[TokenIds],
-        lora_name: str | None = None,
-        *,
-        chunk_size: int | None = None,
-        show_progress: bool = False,
-    ) -> torch.Tensor:
-        """Blocking :meth:`batch_next_token_logprobs` (``chunk_size`` and ``show_progress`` are
-        accepted as ``AsyncVirtualLM`` does; they change nothing here)."""
-        return self._rows(token_ids_list, lora_name)
+    async def _samples(self, specs: list[SampleArgs], adapter: Adapter | None) -> list[list[int]]:
+        return [self._sample(spec, adapter) for spec in specs]
 
-    def _rows(self, token_ids_list: Sequence[TokenIds], lora_name: str | None) -> torch.Tensor:
-        self._check_open()
-        # Validate every prompt before computing any row, naming the bad one's index.
-        ids = [self._check_ids(t, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
-        if not ids:
-            return torch.empty((0, self._vocab_size), dtype=torch.float32)
-        return torch.stack([self._row(t, lora_name) for t in ids])
-
-    # ------------------------------------------------------------------ sampling
-    async def sample(
-        self,
-        prompt_token_ids: TokenIds,
-        max_tokens: int,
-        eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
-    ) -> list[int]:
-        """Draw up to ``max_tokens`` tokens from the rows, as ``AsyncVirtualLM.sample`` does.
-
-        Stops after a token of ``eos_token_ids`` (left out of the result) or when the sequence
-        reaches ``max_model_len`` (with a :class:`~genlm_vlm.base.ContextLimitWarning`).
-        ``temperature=0`` is greedy; ``seed`` makes the draw reproducible
-        (``torch.Generator().manual_seed(seed)``), without it torch's global RNG is used.
-        """
-        out = self._sample(prompt_token_ids, max_tokens, eos_token_ids, temperature, seed, lora_name)
-        self._warn_context_limit([prompt_token_ids], [out], max_tokens)
-        return out
-
-    async def batch_sample(
-        self,
-        prompt_token_ids_list: Sequence[TokenIds],
-        max_tokens: int,
-        eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
-    ) -> list[list[int]]:
-        """:meth:`sample` for each prompt; with ``seed``, prompt ``i`` uses ``seed + i``."""
-        for i, p in enumerate(prompt_token_ids_list):
-            self._check_ids(p, f"prompt_token_ids_list[{i}]")
-        outs = [
-            self._sample(p, max_tokens, eos_token_ids, temperature, None if seed is None else seed + i, lora_name)
-            for i, p in enumerate(prompt_token_ids_list)
-        ]
-        self._warn_context_limit(prompt_token_ids_list, outs, max_tokens)
-        return outs
-
-    def _sample(
-        self, prompt: Any, max_tokens: Any, eos: Any, temperature: Any, seed: Any, lora_name: str | None
-    ) -> list[int]:
-        self._check_open()
-        prompt_ids, max_tokens, eos_ids, temperature, seed = self._check_sample_args(
-            prompt, max_tokens, eos, temperature, seed
-        )
-        ids, stop = list(prompt_ids), set(eos_ids)
-        self._loras.resolve(lora_name)
-        gen = None if seed is None else torch.Generator().manual_seed(seed)
+    def _sample(self, spec: SampleArgs, adapter: Adapter | None) -> list[int]:
+        ids, stop = list(spec.ids), set(spec.eos)
+        gen = None if spec.seed is None else torch.Generator().manual_seed(spec.seed)
         self._stats["samples"] += 1
         out: list[int] = []
-        while len(out) < max_tokens and len(ids) < self.max_model_len:
-            row = self._row(ids, lora_name)
-            if temperature == 0:
+        while len(out) < spec.max_tokens and len(ids) < self.max_model_len:
+            row = self._compute(ids, adapter)
+            if spec.temperature == 0:
                 token = int(torch.argmax(row))
             else:
-                probs = torch.softmax(row.double() / float(temperature), dim=-1)
+                probs = torch.softmax(row.double() / spec.temperature, dim=-1)
                 token = int(torch.multinomial(probs, 1, generator=gen))
             if token in stop:
                 break
@@ -374,54 +277,11 @@ class MockAsyncLM(AsyncLM):
             ids.append(token)
         return out
 
-    # ------------------------------------------------------------------ LoRA
-    def add_new_lora(self, lora_path: str | os.PathLike[str], lora_name: str = "lora_1") -> None:
-        """Register ``lora_name`` (the path is not read; rows under it depend on the path)."""
-        self._check_open()
-        self._loras.commit(self._loras.new(lora_name, lora_path))
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Unregister ``lora_name``. Unknown name: ``UnknownAdapterError``."""
-        self._check_open()
-        self._loras.remove(lora_name)
-
-    def set_lora(self, lora_path: str | os.PathLike[str] | None = None, lora_name: str = "lora_1") -> None:
-        """Make ``lora_name`` the default adapter (registering ``lora_path`` first if given)."""
-        if lora_path is not None:
-            self.add_new_lora(lora_path, lora_name)
-        self._loras.set_default(lora_name)
-
-    def clear_lora(self) -> None:
-        """Calls with ``lora_name=None`` use the base rows again."""
-        self._loras.set_default(None)
-
     # ------------------------------------------------------------------ housekeeping
-    def clear_cache(self) -> None:
-        """Nothing is cached; no-op."""
-
     def release_sessions(self) -> int:
         """No sessions here; returns 0."""
         self._check_open()
         return 0
-
-    def reset_async_queries(self) -> None:
-        """No queries are ever pending here; no-op."""
-
-    def cleanup(self) -> None:
-        """Mark the mock closed: later calls raise ``ClosedError``, as on ``AsyncVirtualLM``."""
-        self._closed = True
-
-    def __enter__(self) -> MockAsyncLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
-
-    async def __aenter__(self) -> MockAsyncLM:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.cleanup()
 
     def __repr__(self) -> str:
         return f"MockAsyncLM(vocab_size={self._vocab_size}, seed={self.seed}, tokenizer={type(self.tokenizer).__name__})"

@@ -40,7 +40,14 @@ def test_importing_the_mock_does_not_import_vllm():
         "from genlm_vlm.mock import MockAsyncLM\n"
         "lm = MockAsyncLM()\n"
         "lm.next_token_logprobs_sync([0, 5]); lm.byte_vocab\n"
+        "lm.cleanup()\n"
+        "try:\n"
+        "    lm.next_token_logprobs_sync([0])\n"
+        "except Exception as e:\n"
+        "    assert type(e).__name__ == 'ClosedError', e\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'genlm'))\n"
+        "assert not bad, bad\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('genlm_vlm.vllm_lm', 'genlm_vlm.engine')))\n"
         "assert not bad, bad\n"
         "print(type(lm.byte_vocab[0]).__module__)\n"
     )
@@ -299,6 +306,39 @@ async def test_cleanup_closes_the_model():
     with pytest.raises(ClosedError):
         await lm2.sample([0], 1, [])
     lm2.clear_cache()  # no-op, never raises
+    for late in (lm2.batch_sample([], 1, []), lm2.batch_next_token_logprobs([])):
+        with pytest.raises(ClosedError):  # even with nothing to do
+            await late
+    lm2.cleanup()  # idempotent
+
+
+def test_closed_error_is_one_class_everywhere():
+    import genlm_vlm
+    from genlm_vlm import base, vllm_lm
+
+    assert vllm_lm.ClosedError is base.ClosedError is genlm_vlm.ClosedError
+
+
+async def test_batch_sample_checks_the_seed_before_adding_the_index(lm):
+    with pytest.raises(TypeError, match="seed"):
+        await lm.batch_sample([[0], [0]], 2, [], seed=True)  # True + i would pass as an int
+    with pytest.raises(TypeError, match="seed"):
+        await lm.batch_sample([[0]], 2, [], seed="1")
+    a, b = await lm.batch_sample([[0], [0]], 4, [], seed=7)
+    assert a == await lm.sample([0], 4, [], seed=7) and b == await lm.sample([0], 4, [], seed=8)
+
+
+async def test_adapters_register_replace_and_remove(lm):
+    lm.add_new_lora("/path/one", "x")
+    row_one = lm.next_token_logprobs_sync([0, 5], lora_name="x")
+    lm.add_new_lora("/path/two", "x")  # re-registered: its rows follow the new path
+    assert not torch.equal(lm.next_token_logprobs_sync([0, 5], lora_name="x"), row_one)
+    lm.set_lora(lora_name="x")
+    assert lm.lora_names == ["x"] and torch.equal(lm.next_token_logprobs_sync([0, 5]), await lm.next_token_logprobs([0, 5], "x"))
+    lm.remove_lora("x")  # removing the default adapter clears the default
+    assert lm.lora_names == [] and not torch.equal(lm.next_token_logprobs_sync([0, 5]), row_one)
+    with pytest.raises(UnknownAdapterError):
+        lm.remove_lora("x")
 
 
 # ---------------------------------------------------------------------------------- tokens

@@ -1,4 +1,5 @@
-"""The pool's actor calls: launching and collecting them, failure handling, LoRA, lifecycle.
+"""The pool's actor calls: launching and collecting them, failure handling, sampling, LoRA,
+restarts and shutdown (the :class:`~genlm_vlm.base.ServingLM` hooks of the pool).
 
 A mixin of :class:`~.pool.ReplicaPool` (kept apart so each file stays readable). Threading: the
 router and the batcher's futures are thread-safe; completions of async row calls arrive on a Ray
@@ -12,15 +13,15 @@ import concurrent.futures as cf
 import functools
 import logging
 import numbers
-import os
-import warnings
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..vllm_lm import ClosedError
+from ..base import ClosedError, SampleArgs
+from ..lora import Adapter
 from . import launch
 from .routing import ReplicaDiedError
 
@@ -212,54 +213,59 @@ class CallMixin:
         finally:
             self._router.done(replica, gen, n, failed=not ok)
 
-    # ------------------------------------------------------------------ LoRA
-    def add_new_lora(self, lora_path: str | os.PathLike[str], lora_name: str = "lora_1") -> None:
-        """Register the adapter on every live replica (and on replicas restarted later)."""
-        self._check_open()  # type: ignore[attr-defined]
+    async def _samples(self, specs: list[SampleArgs], adapter: Adapter | None) -> list[list[int]]:
+        """Each sample on the replica its prompt routes to; one actor call per replica."""
+        akey = 0 if adapter is None else adapter.int_id
+        lora = None if adapter is None else adapter.name
+        routes = self._router.route_many([(akey, s.ids) for s in specs], record=False)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, route in enumerate(routes):
+            groups[route].append(i)
+        keys = list(groups)
+        results = await asyncio.gather(
+            *(self._await_call(r, g, len(groups[(r, g)]), "sample", [tuple(specs[i]) for i in groups[(r, g)]], lora)
+              for r, g in keys),
+            return_exceptions=True,
+        )
+        outs: list[list[int]] = [[] for _ in specs]
+        for key, res in zip(keys, results, strict=True):
+            if isinstance(res, BaseException):
+                raise res
+            for i, o in zip(groups[key], res, strict=True):
+                outs[i] = list(o)
+        return outs
+
+    # ------------------------------------------------------------------ LoRA (ServingLM hooks)
+    def _check_lora_support(self) -> None:
         if not self.engine_info.lora_enabled:  # type: ignore[attr-defined]
-            raise ValueError(
-                "this pool's engines were built without LoRA support: pass engine_opts={'enable_lora': "
-                "True, 'max_lora_rank': R} (R >= the adapter's rank) to ReplicaPool.from_name"
-            )
-        loras = self._loras  # type: ignore[attr-defined]
-        adapter = loras.new(lora_name, lora_path)
-        old = loras.resolve(lora_name) if lora_name in loras.names() else None
+            raise self._lora_disabled("this pool's engines were")  # type: ignore[attr-defined]
+
+    def _load_adapter(self, adapter: Adapter, previous: Adapter | None) -> None:
+        """Register the adapter on every live replica; on a failure, the replicas that took it
+        go back to ``previous`` (or drop the name)."""
         try:
-            self._call_live("add_lora", adapter.path, lora_name)
+            self._call_live("add_lora", adapter.path, adapter.name)
         except BaseException:
-            # replicas that took the new weights go back to the old ones (or drop the name)
             for i in self._router.live_replicas():
                 try:
-                    if old is None:
-                        self._ray.get(self._actors[i].remove_lora.remote(lora_name))
+                    if previous is None:
+                        self._ray.get(self._actors[i].remove_lora.remote(adapter.name))
                     else:
-                        self._ray.get(self._actors[i].add_lora.remote(old.path, lora_name))
+                        self._ray.get(self._actors[i].add_lora.remote(previous.path, adapter.name))
                 except Exception:  # noqa: BLE001 - best effort
-                    logger.warning("could not roll back LoRA %r on replica %d", lora_name, i)
+                    logger.warning("could not roll back LoRA %r on replica %d", adapter.name, i)
             raise
-        loras.commit(adapter)
 
-    def remove_lora(self, lora_name: str) -> None:
-        """Unregister ``lora_name`` on every replica. Unknown name: ``UnknownAdapterError``."""
-        self._check_open()  # type: ignore[attr-defined]
-        self._loras.remove(lora_name)  # type: ignore[attr-defined]
-        self._call_live("remove_lora", lora_name)
-
-    def set_lora(self, lora_path: str | os.PathLike[str] | None = None, lora_name: str = "lora_1") -> None:
-        """Make ``lora_name`` the default adapter (registering it first when ``lora_path`` is given)."""
-        if lora_path is not None:
-            self.add_new_lora(lora_path, lora_name)
-        self._loras.set_default(lora_name)  # type: ignore[attr-defined]
-
-    def clear_lora(self) -> None:
-        """Calls with ``lora_name=None`` use the base model again."""
-        self._loras.set_default(None)  # type: ignore[attr-defined]
+    def _drop_adapter(self, adapter: Adapter, replaced_by: Adapter | None) -> None:
+        """A removed name is removed on every live replica (a replaced one was re-registered)."""
+        if replaced_by is None:
+            self._call_live("remove_lora", adapter.name)
 
     # ------------------------------------------------------------------ housekeeping
     def warm_up(self, prefix_token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
         """Prime every live replica's prefix cache with a shared prompt; returns its row."""
         q = self._query(prefix_token_ids, lora_name)  # type: ignore[attr-defined]
-        rows = self._call_live("logprobs_sync", [q.ids], q.lora, 1)
+        rows = self._call_live("logprobs_sync", [q.ids], q.lora_name, 1)
         return torch.from_numpy(np.array(rows[min(rows)][0], dtype=np.float32))
 
     def clear_cache(self) -> None:
@@ -271,10 +277,6 @@ class CallMixin:
     def release_sessions(self) -> int:
         """Release every replica's idle sessions; returns how many were released in all."""
         return sum(self._call_live("release_sessions").values())
-
-    def reset_async_queries(self) -> None:
-        """Cancel every pending and in-flight async query (their awaiters get CancelledError)."""
-        self._batcher.reset()
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -312,7 +314,9 @@ class CallMixin:
             [(actor, info)] = launch.start_actors(ray, [index], self._make_actor, self._start_timeout)  # type: ignore[attr-defined]
             try:
                 for name in self._loras.names():  # type: ignore[attr-defined]
-                    ray.get(actor.add_lora.remote(self._loras.resolve(name).path, name))  # type: ignore[attr-defined]
+                    adapter = self._loras.get(name)  # type: ignore[attr-defined]
+                    if adapter is not None:
+                        ray.get(actor.add_lora.remote(adapter.path, name))
             except BaseException as e:
                 ray.kill(actor)
                 raise launch.unwrap(ray, e) from e
@@ -320,13 +324,9 @@ class CallMixin:
             self.replica_info[index] = info  # type: ignore[attr-defined]
             self._router.revive(index)
 
-    def cleanup(self) -> None:
+    def _close_impl(self) -> None:
         """Shut every replica down (engines freed, actors killed) and, if a pool started Ray,
-        shut Ray down with the last such pool. Idempotent; later calls raise ``ClosedError``."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        self._batcher.close_nowait(ClosedError("this ReplicaPool was cleaned up while the call was pending"))
+        shut Ray down with the last such pool."""
         ray = self._ray
         try:
             if ray.is_initialized():
@@ -343,26 +343,3 @@ class CallMixin:
             if self._owns_ray:  # type: ignore[attr-defined]
                 self._owns_ray = False
                 launch.release_ray(ray)
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
-
-    async def __aenter__(self) -> Any:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.cleanup)
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        try:
-            self.cleanup()
-        except Exception as e:  # noqa: BLE001 - never raise from __del__
-            try:
-                warnings.warn(f"ReplicaPool cleanup in __del__ failed: {e!r}", RuntimeWarning, stacklevel=1)
-            except Exception:  # noqa: BLE001
-                pass

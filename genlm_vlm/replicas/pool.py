@@ -11,7 +11,6 @@ read in place here); each awaiter gets its own torch copy of its row. Sync calls
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import logging
 import numbers
@@ -19,36 +18,18 @@ import os
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..base import AsyncLM, TokenIds, check_batch_size, check_timeout
-from ..batching import AutoBatcher
-from ..lora import Adapter, LoraRegistry
-from ..vllm_lm import ClosedError
+from ..base import Query, ServingLM
+from ..batching import AutoBatcher, KeyPlan
 from . import launch
 from .calls import CallMixin
 from .routing import ReplicaDiedError, Router
-from .sampling import SamplingMixin
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Query:
-    ids: tuple[int, ...]
-    adapter: Adapter | None
-
-    @property
-    def akey(self) -> int:
-        return 0 if self.adapter is None else self.adapter.int_id
-
-    @property
-    def lora(self) -> str | None:
-        return None if self.adapter is None else self.adapter.name
 
 
 def _own_row(row: np.ndarray) -> torch.Tensor:
@@ -56,14 +37,18 @@ def _own_row(row: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(row, dtype=np.float32, copy=True))
 
 
-class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
+class ReplicaPool(CallMixin, ServingLM):
     """N replicas of one model, each a Ray actor holding its own engine, behind one ``AsyncLM``.
 
     Same methods as :class:`~genlm_vlm.AsyncVirtualLM` (async and sync rows, scoring, top-k,
     sampling, LoRA, ``stats``, ``cleanup``, ``with`` / ``async with``). Rows are float32 CPU
     tensors ``[V]``; every caller gets its own copy (the batch array in Ray's object store is
     read-only and shared; a view would pin the whole batch for as long as one row lived).
-    Build with :meth:`from_name`.
+    A query goes to the replica that holds its session or longest cached prefix (else the
+    least loaded); a sample to the replica its prompt routes to. Blocking calls send at most
+    ``chunk_size`` distinct prompts per round trip (each replica halves its share on
+    out-of-memory, as ``AsyncVirtualLM`` does). Adapters are registered on every live replica
+    and on replicas restarted later. Build with :meth:`from_name`.
 
     Args:
         model_name: HF name or local path, loaded by every replica.
@@ -129,7 +114,6 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
         balance_threshold: int = 32,
         **lm_kwargs: Any,
     ) -> None:
-        self._closed = True  # until fully started (cleanup/__del__ do nothing before)
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         if engine_opts is not None and not isinstance(engine_opts, dict):
@@ -168,14 +152,13 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
                 f"ReplicaPool.from_name(): {e} (pool options: actor_options, pin_cpus, "
                 "ray_init_opts, start_timeout, max_routes, min_match, balance_threshold)"
             ) from None
-        batch_size = replica_kwargs.get("batch_size", 256)
-        timeout = replica_kwargs.pop("timeout", 0.0)  # the driver waits; replicas dispatch at once
+        # the driver waits for stragglers; replicas dispatch at once
+        super().__init__(batch_size=replica_kwargs.get("batch_size", 256), timeout=replica_kwargs.pop("timeout", 0.0))
         self.chunk_size = int(replica_kwargs.get("chunk_size", 1024))
         self._lm_kwargs = replica_kwargs
-        self._loras = LoraRegistry()
         self._restart_lock = threading.Lock()
-        self._batcher: AutoBatcher[_Query, torch.Tensor] = AutoBatcher(
-            start=self._start_logprobs, batch_size=batch_size, timeout=timeout,
+        self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
+            self._start_logprobs, batch_size=self.batch_size, timeout=self.timeout,
             deliver=_own_row, name="logprobs",
         )
 
@@ -256,70 +239,14 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
         """Replica 0's :class:`~genlm_vlm.engine.ModelInfo` (all replicas run the same engine)."""
         return self._info
 
-    @property
-    def batch_size(self) -> int:
-        """Most distinct queries the driver sends in one group (split over replicas)."""
-        return self._batcher.batch_size
+    # ------------------------------------------------------------------ rows (ServingLM hooks)
+    def _batchers(self) -> tuple[AutoBatcher[Any, Any], ...]:
+        return (self._batcher,)
 
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self._batcher.batch_size = check_batch_size(value)
+    async def _row(self, query: Query) -> torch.Tensor:
+        return await self._batcher.submit(query, query.key)
 
-    @property
-    def timeout(self) -> float:
-        """Seconds the driver waits for stragglers before sending a group (default 0.0)."""
-        return self._batcher.timeout
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        self._batcher.timeout = check_timeout(value)
-
-    @property
-    def lora_names(self) -> list[str]:
-        return self._loras.names()
-
-    # ------------------------------------------------------------------ validation
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("this ReplicaPool was cleaned up; build a new one")
-
-    def _query(self, token_ids: Any, lora_name: str | None, what: str = "token_ids") -> _Query:
-        self._check_open()
-        return _Query(self._check_ids(token_ids, what), self._loras.resolve(lora_name))
-
-    # ------------------------------------------------------------------ rows
-    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
-        """Float32 CPU ``[V]`` row after ``token_ids``, from the replica that holds the query's
-        session or longest cached prefix (else the least loaded)."""
-        q = self._query(token_ids, lora_name)
-        return await self._batcher.submit(q, (q.akey, q.ids))
-
-    async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[TokenIds], lora_name: str | None = None
-    ) -> torch.Tensor:
-        qs = [self._query(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
-        if not qs:
-            return torch.empty((0, self._vocab_size), dtype=torch.float32)
-        rows = await asyncio.gather(*(self._batcher.submit(q, (q.akey, q.ids)) for q in qs))
-        return torch.stack(rows)
-
-    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
-        return self._rows_sync([self._query(token_ids, lora_name)], self.chunk_size)[0]
-
-    def batch_next_token_logprobs_sync(
-        self,
-        token_ids_list: Sequence[TokenIds],
-        lora_name: str | None = None,
-        *,
-        chunk_size: int | None = None,
-        show_progress: bool = False,
-    ) -> torch.Tensor:
-        """Blocking rows ``[N, V]``; at most ``chunk_size`` distinct prompts per round trip
-        (each replica halves its share on out-of-memory, as ``AsyncVirtualLM`` does)."""
-        qs = [self._query(t, lora_name, f"token_ids_list[{i}]") for i, t in enumerate(token_ids_list)]
-        return self._rows_sync(qs, chunk_size or self.chunk_size, show_progress)
-
-    def _start_logprobs(self, queries: list[_Query]) -> list[cf.Future]:
+    def _start_logprobs(self, queries: list[Query]) -> list[cf.Future]:
         """AutoBatcher's ``start``: route the group, one actor call per (replica, adapter)."""
         futs: list[cf.Future] = [cf.Future() for _ in queries]
         try:
@@ -331,22 +258,21 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
             return futs
         groups: dict[tuple[int, int, str | None], list[int]] = defaultdict(list)
         for i, (q, (rep, gen)) in enumerate(zip(queries, routes, strict=True)):
-            groups[(rep, gen, q.lora)].append(i)
+            groups[(rep, gen, q.lora_name)].append(i)
         for (rep, gen, lora), idx in groups.items():
             self._launch_rows(rep, gen, lora, [queries[i].ids for i in idx], [futs[i] for i in idx])
         return futs
 
-    def _rows_sync(self, qs: list[_Query], chunk_size: int, show_progress: bool = False) -> torch.Tensor:
-        if not qs:
-            return torch.empty((0, self._vocab_size), dtype=torch.float32)
+    def _rows_sync(self, queries: list[Query], chunk_size: int | None, show_progress: bool) -> torch.Tensor:
+        """Blocking rows: each distinct prompt once (:class:`~genlm_vlm.batching.KeyPlan`; the
+        replicas keep the cache), routed chunk by chunk, one actor call per (replica, adapter)."""
+        chunk_size = chunk_size or self.chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size!r}")
-        slot: dict[tuple[int, tuple[int, ...]], int] = {}
-        unique: list[_Query] = []
-        for q in qs:
-            if slot.setdefault((q.akey, q.ids), len(unique)) == len(unique):
-                unique.append(q)
-        found: list[tuple[np.ndarray, int] | None] = [None] * len(unique)
+        if not queries:
+            return self._no_rows()
+        plan: KeyPlan[np.ndarray] = KeyPlan([q.key for q in queries])
+        unique = [queries[i] for i in plan.todo.values()]
         bar = None
         if show_progress:
             from tqdm.auto import tqdm
@@ -356,28 +282,23 @@ class ReplicaPool(SamplingMixin, CallMixin, AsyncLM):
             for start in range(0, len(unique), chunk_size):
                 chunk = unique[start : start + chunk_size]
                 self._check_open()
-                routes = self._router.route_many([(q.akey, q.ids) for q in chunk])
-                groups: dict[tuple[int, int, str | None], list[int]] = defaultdict(list)
-                for j, (q, (rep, gen)) in enumerate(zip(chunk, routes, strict=True)):
-                    groups[(rep, gen, q.lora)].append(start + j)
+                routes = self._router.route_many([q.key for q in chunk])
+                groups: dict[tuple[int, int, str | None], list[Query]] = defaultdict(list)
+                for q, (rep, gen) in zip(chunk, routes, strict=True):
+                    groups[(rep, gen, q.lora_name)].append(q)
                 calls = [
-                    (rep, gen, idx, self._remote(rep, "logprobs_sync", [unique[i].ids for i in idx], lora, chunk_size))
-                    for (rep, gen, lora), idx in groups.items()
+                    (rep, gen, qs, self._remote(rep, "logprobs_sync", [q.ids for q in qs], lora, chunk_size))
+                    for (rep, gen, lora), qs in groups.items()
                 ]
-                for _rep, _gen, idx, arr in self._gather_sync(calls):
-                    for j, i in enumerate(idx):
-                        found[i] = (arr, j)
+                for _rep, _gen, qs, arr in self._gather_sync(calls):
+                    for q, row in zip(qs, arr, strict=True):
+                        plan.fill(q.key, row)
                 if bar is not None:
                     bar.update(len(chunk))
         finally:
             if bar is not None:
                 bar.close()
-        out = np.empty((len(qs), self._vocab_size), dtype=np.float32)
-        for n, q in enumerate(qs):
-            hit = found[slot[(q.akey, q.ids)]]
-            assert hit is not None
-            out[n] = hit[0][hit[1]]
-        return torch.from_numpy(out)
+        return torch.from_numpy(np.stack(plan.results()).astype(np.float32, copy=False))
 
 
 def _load_tokenizer(vocab: dict[str, Any]) -> Any:
