@@ -154,3 +154,54 @@ async def test_lora_sessions_interleaved_with_base_sessions(lora_lm, adapters, m
             model_paths["llama"], [list(k) for k in keys], lora_path=None if name is None else adapters[name]
         )
         assert max_abs_diff([rows[k] for k in keys], ref) < 1e-4, name
+
+
+def _engine_loras(lm) -> set[int]:
+    """The ids of the adapters vLLM itself holds (read on the engine thread)."""
+    return set(lm._driver.call(lambda: lm.llm.llm_engine.list_loras()))
+
+
+def _churn_cycle(lm, path: str, i: int) -> None:
+    lm.add_new_lora(path, "churn")
+    if i % 2:
+        lm.add_new_lora(path, "churn")  # re-registered: the old registration is freed
+    lm.remove_lora("churn")
+
+
+def test_adding_and_removing_adapters_keeps_the_tables_flat(lora_lm, adapters, model_paths):
+    """1,000 add/remove cycles (and re-registrations of a name) leave the LoRARequest table and
+    the engine's LoRA state as they were: nothing per registration outlives it."""
+    for i in range(2):  # vLLM's adapter LRU (max_loras=2) settles: "a"/"b" may be evicted
+        _churn_cycle(lora_lm, adapters["c"], i)
+    requests, held = len(lora_lm._lora_requests), _engine_loras(lora_lm)
+    assert requests == len(lora_lm.lora_names) == 2
+    first_id = lora_lm._loras.new("probe", "/unused").int_id  # ids only grow: later ones are churn's
+    for i in range(1000):
+        _churn_cycle(lora_lm, adapters["c"], i)
+    assert len(lora_lm._lora_requests) == requests
+    assert _engine_loras(lora_lm) == held and not any(i >= first_id for i in held)
+    # the adapter still loads and computes correctly after the churn; "a" still serves
+    p = [[9, 10, 11, 12]]
+    lora_lm.add_new_lora(adapters["c"], "churn")
+    try:
+        lora_lm.clear_cache()
+        row = lora_lm.next_token_logprobs_sync(p[0], lora_name="churn")
+        assert max_abs_diff([row], hf_reference_logprobs(model_paths["llama"], p, lora_path=adapters["c"])) < 1e-4
+        row = lora_lm.next_token_logprobs_sync(p[0], lora_name="a")
+        assert max_abs_diff([row], hf_reference_logprobs(model_paths["llama"], p, lora_path=adapters["a"])) < 1e-4
+        assert len(lora_lm._lora_requests) == requests + 1
+    finally:
+        lora_lm.remove_lora("churn")
+
+
+async def test_adapter_removed_while_a_query_is_pending_fails_only_that_query(lora_lm):
+    lora_lm.add_new_lora(lora_lm._loras.get("a").path, "brief")
+    lora_lm.clear_cache()
+    doomed = asyncio.ensure_future(lora_lm.next_token_logprobs([5, 6, 7, 8], lora_name="brief"))
+    fine = asyncio.ensure_future(lora_lm.next_token_logprobs([5, 6, 7, 9], lora_name="a"))
+    base = asyncio.ensure_future(lora_lm.next_token_logprobs([5, 6, 7, 10]))
+    await asyncio.sleep(0)  # the three are registered; their group goes out at the next pass
+    lora_lm.remove_lora("brief")
+    results = await asyncio.wait_for(asyncio.gather(doomed, fine, base, return_exceptions=True), 120)
+    assert isinstance(results[0], UnknownAdapterError) and "brief" in str(results[0])
+    assert all(isinstance(r, torch.Tensor) for r in results[1:])
