@@ -71,6 +71,48 @@ def test_router_tables_are_bounded():
     assert sum(s["sessions"] for s in snap["replicas"]) == snap["session_entries"]
 
 
+def test_ray_notices_hidden_only_while_quiet(caplog):
+    import logging
+
+    from genlm_vlm.logs import verbosity
+    from genlm_vlm.replicas.launch import RAY_NOTICE_LOGGERS, ray_notices_hidden
+
+    notice = logging.getLogger(RAY_NOTICE_LOGGERS[0])
+    caplog.set_level(logging.WARNING, logger=notice.name)
+    level = notice.level
+    with verbosity(False), ray_notices_hidden():
+        notice.warning("auth notice (quiet)")
+        notice.error("an error still shows")
+    with verbosity(True), ray_notices_hidden():
+        notice.warning("auth notice (verbose)")
+    assert [r.getMessage() for r in caplog.records] == ["an error still shows", "auth notice (verbose)"]
+    assert notice.level == level  # restored
+
+
+def test_starting_ray_prints_no_auth_notice_when_quiet():
+    """The pool's ``ray.init`` (local cluster, ``RAY_AUTH_MODE`` unset): Ray's token-authentication
+    notice is hidden by default and shown with ``verbose=True``."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    code = (
+        "from genlm_vlm.replicas import launch\n"
+        "ray = launch.import_ray()\n"
+        "assert launch.acquire_ray(ray, None, None)\n"
+        "launch.release_ray(ray)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "GENLM_VLM_VERBOSE")}
+    stderr = {}
+    for verbose in ("0", "1"):  # one process each: Ray sets RAY_AUTH_MODE for the rest of a process
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**env, "GENLM_VLM_VERBOSE": verbose}, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stderr[verbose] = proc.stderr
+    assert "Token authentication" not in stderr["0"], stderr["0"][-2000:]
+    assert "Token authentication" in stderr["1"]  # the notice this hides is really Ray's
+
+
 def test_import_is_cheap_and_bad_arguments_fail_before_ray(tmp_path, model_paths):
     import subprocess
     import sys

@@ -6,10 +6,12 @@ Only Ray's public API is used (``ray.init``/``shutdown``, ``ray.remote(...).opti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -22,6 +24,35 @@ LOCAL_RAY_INIT: dict[str, Any] = {"include_dashboard": False, "configure_logging
 _ray_lock = threading.Lock()
 _ray_users = 0
 _ray_ours = False
+
+
+#: Loggers of Ray's start-up notices that a user cannot act on while the log is quiet: the
+#: token-authentication notice of a new local cluster ("Token authentication is enabled for
+#: this Ray cluster ..."). Ray logs it with ``logger.warning`` from the process that calls
+#: ``ray.init`` (its child processes inherit ``RAY_AUTH_MODE`` and stay silent).
+RAY_NOTICE_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+
+
+@contextlib.contextmanager
+def ray_notices_hidden() -> Iterator[None]:
+    """Hide Ray's start-up notices (:data:`RAY_NOTICE_LOGGERS`: errors still show) while
+    genlm_vlm's log is quiet (:func:`genlm_vlm.logs.vllm_log_level` above WARNING: the default
+    from Python and with ``--quiet``). Only what is printed changes: authentication itself is
+    left to Ray."""
+    from ..logs import vllm_log_level
+
+    if vllm_log_level() <= logging.WARNING:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in RAY_NOTICE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def import_ray() -> Any:
@@ -53,7 +84,8 @@ def acquire_ray(ray: Any, address: str | None, init_opts: dict[str, Any] | None)
         attempts = 2 if address is None else 1
         for attempt in range(attempts):
             try:
-                ray.init(address=address, **opts)
+                with ray_notices_hidden():
+                    ray.init(address=address, **opts)
                 break
             except Exception as e:
                 try:
