@@ -3,7 +3,8 @@
 It records every request, abort and step; finishes a request ``steps_per_request`` steps after
 it was added (``max_per_step`` requests at most per step, oldest first); keeps resumable
 requests parked after their chunk, so the next ``add_rows`` with the same id continues them;
-and writes a deterministic row for the request's whole token sequence into its sink. Knobs:
+and writes a deterministic row for the request's whole token sequence into its sink. Parked sessions hold their slots, as in vLLM: at most ``max_num_seqs`` minus the parked ones
+run in a step. Knobs:
 ``kv`` (what ``kv_usage`` reports), ``stall`` (steps schedule nothing), ``fail_next`` (the next
 step raises it), ``gate`` (a semaphore each step acquires: the test releases steps one by one).
 No vLLM, no sleeps.
@@ -136,7 +137,13 @@ class FakeCore:
             if self.stall or not self._running:
                 return StepResult([], False)
             outputs: list[Any] = []
-            batch = list(self._running.values())[: self.max_per_step]
+            # like vLLM: parked sessions hold their slots (they count toward max_num_seqs)
+            slots = max(0, self.info.max_num_seqs - len(self._parked))
+            if self.max_per_step is not None:
+                slots = min(slots, self.max_per_step)
+            batch = list(self._running.values())[:slots]
+            if not batch:
+                return StepResult([], False)
             for r in batch:
                 if r.sample:
                     tok = (sum(r.tokens) + len(r.out)) % self.info.vocab_size

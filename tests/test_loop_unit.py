@@ -292,3 +292,23 @@ def test_calls_run_on_the_engine_thread_between_steps(driver_core):
     with pytest.raises(ZeroDivisionError):
         driver.call(lambda: 1 / 0)
     assert not fut.done()
+
+
+def test_a_resample_at_full_capacity_takes_one_step():
+    """N = max_num_seqs particles; after a resample half of them fork and the parents nobody
+    chose stay parked. Their slots are freed before the step, so the whole SMC step is one engine
+    step (vLLM counts parked sessions toward max_num_seqs and never preempts them)."""
+    n = 8
+    driver, core = make(FakeCore(max_num_seqs=n))
+    try:
+        prompts = [(1, i + 2) for i in range(n)]
+        rows(driver, *prompts)
+        steps = driver.stats()["engine_steps"]
+        ancestors = [0, 0, 1, 1, 2, 2, 3, 3]  # parents 4..7 have no children
+        rows(driver, *[prompts[a] + (9 + i,) for i, a in enumerate(ancestors)])
+        st = driver.stats()
+        assert st["engine_steps"] - steps == 1
+        assert (st["sessions"]["continued"], st["sessions"]["forked"]) == (4, 4)
+        assert st["sessions"]["evicted"] >= 4
+    finally:
+        driver.shutdown()

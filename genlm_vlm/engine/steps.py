@@ -97,6 +97,9 @@ class StepLoop:
                 return
             self._admit()
             if self._by_rid:
+                # Before the step too: vLLM counts parked sessions toward max_num_seqs and never
+                # preempts them, so after a resample the unchosen parents would keep forks waiting.
+                self._enforce_caps()
                 self._evict_for_kv()
                 t0 = clock()
                 spent["host"] += t0 - mark
