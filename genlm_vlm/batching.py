@@ -1,30 +1,14 @@
-"""Batching concurrent asyncio awaits into groups handed to an engine that batches continuously.
+"""Batching concurrent asyncio awaits into groups for an engine that batches continuously.
 
 Many coroutines (e.g. SMC particles) ``await batcher.submit(request, key)``; the
 :class:`AutoBatcher` collects the requests of one event-loop pass (or of ``timeout`` seconds)
-into a group and calls ``start(requests)`` on the loop thread. ``start`` hands the group to the
-engine and returns one ``concurrent.futures.Future`` per request; each awaiter is resolved when
-its own future is, from whatever thread completes it.
-
-Semantics (see :class:`AutoBatcher` for details):
-
-* **Flush policy.** The first request of an idle period schedules a flush with
-  ``loop.call_soon`` (``timeout == 0``: everything submitted during the current pass goes out
-  together, and a lone request pays no timer) or ``loop.call_later(timeout)`` (``timeout > 0``:
-  wait for stragglers). A group goes out at once when ``batch_size`` distinct entries are
-  pending; no group has more than ``batch_size`` entries.
-* **Cache and dedup** (:func:`lookup`, the step the blocking paths take too through
-  :class:`KeyPlan`). With ``dedupe=True`` a key already pending or in flight is joined, not sent
-  again; with an :class:`~genlm_vlm.cache.OutputCache`, a cached key is answered without the
-  engine, and computed values are stored.
-* **Per-awaiter futures.** Each awaiter owns an ``asyncio.Future``; cancelling an awaiter
-  cancels only its own. An entry nobody waits for any more is dropped before dispatch, or,
-  once in flight, its engine future is cancelled (which tells the engine to abort the work).
-  Every awaiter receives ``deliver(value)`` (e.g. ``torch.Tensor.clone``, so a cached or shared
-  tensor is never handed out).
-* **Faults.** ``start`` raising fails exactly the entries of that group; a future that fails
-  fails exactly its entry's awaiters. :meth:`AutoBatcher.reset` and :meth:`AutoBatcher.close`
-  resolve every awaiter, so nothing ever hangs.
+into groups of at most ``batch_size`` and hands each to ``start``, which returns one
+``concurrent.futures.Future`` per request; each awaiter is resolved when its own future is, from
+whatever thread completes it. Identical keys in flight are computed once and cached values
+answered at once (:func:`lookup`, the cache-and-dedup step the blocking paths take too through
+:class:`KeyPlan`); work nobody waits for any more is dropped or its future cancelled (the engine
+aborts it); failures, :meth:`AutoBatcher.reset` and :meth:`AutoBatcher.close` resolve exactly
+the awaiters concerned, so nothing ever hangs.
 """
 
 from __future__ import annotations
@@ -115,7 +99,7 @@ class KeyPlan(Generic[V]):
 class _Entry:
     """One unit of work handed to ``start``; shared by every awaiter of its key."""
 
-    key: Hashable  # key in the pending / in-flight dicts (a unique token if dedupe=False)
+    key: Hashable  # key in the pending / in-flight dicts (a unique object() if dedupe=False)
     cache_key: Hashable | None  # key for the output cache (None = not cached)
     request: Any
     waiters: set[asyncio.Future] = field(default_factory=set)
@@ -124,18 +108,6 @@ class _Entry:
     def live(self) -> bool:
         """True if at least one awaiter still wants the result."""
         return any(not f.done() for f in self.waiters)
-
-
-class _Unique:
-    """Private per-submit token used as the entry key when ``dedupe=False``."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __repr__(self) -> str:
-        return f"<unique #{self.n}>"
 
 
 class _Mailbox:
@@ -242,17 +214,7 @@ class AutoBatcher(Generic[R, V]):
         self._mailbox: _Mailbox | None = None  # completions on their way to the loop
         self._generation = 0  # bumped by reset(); completions of older entries are dropped
         self._closed = False
-        self._unique = itertools.count()
-
-        self._n_engine_calls = 0
-        self._n_requests = 0
-        self._n_dedup_joins = 0
-        self._n_cache_hits = 0
-        self._n_items = 0
-        self._n_dropped_cancelled = 0
-        self._n_failed_calls = 0
-        self._n_resets = 0
-        self._max_batch = 0
+        self._counts: Counter[str] = Counter()  # the counters of ``stats`` (loop thread)
         self._batch_hist: Counter[int] = Counter()
 
     # ---------------------------------------------------------------- status
@@ -282,18 +244,10 @@ class AutoBatcher(Generic[R, V]):
         ``failed_calls`` (groups ``start`` could not take), ``resets``, ``max_batch`` and
         ``batch_sizes`` (a ``{size: count}`` histogram).
         """
-        return {
-            "engine_calls": self._n_engine_calls,
-            "requests": self._n_requests,
-            "dedup_joins": self._n_dedup_joins,
-            "cache_hits": self._n_cache_hits,
-            "items": self._n_items,
-            "dropped_cancelled": self._n_dropped_cancelled,
-            "failed_calls": self._n_failed_calls,
-            "resets": self._n_resets,
-            "max_batch": self._max_batch,
-            "batch_sizes": dict(sorted(self._batch_hist.items())),
-        }
+        names = ("engine_calls", "requests", "dedup_joins", "cache_hits", "items", "dropped_cancelled",
+                 "failed_calls", "resets")
+        return {**{n: self._counts[n] for n in names}, "max_batch": max(self._batch_hist, default=0),
+                "batch_sizes": dict(sorted(self._batch_hist.items()))}
 
     # ---------------------------------------------------------------- submit
     async def submit(self, request: R, key: Hashable | None = None) -> V:
@@ -309,22 +263,22 @@ class AutoBatcher(Generic[R, V]):
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
-        self._n_requests += 1
+        self._counts["requests"] += 1
         if self.dedupe:
             key = request if key is None else key
             how, found = lookup(key, self.cache, self._inflight, self._pending)
         else:
             how, found = lookup(key, self.cache) if key is not None else ("new", None)
         if how == "cached":
-            self._n_cache_hits += 1
+            self._counts["cache_hits"] += 1
             return self._deliver(found)
         fut = loop.create_future()
         if how == "joined":
-            self._n_dedup_joins += 1
+            self._counts["dedup_joins"] += 1
             entry = found
             entry.waiters.add(fut)
         else:
-            entry = _Entry(key=key if self.dedupe else _Unique(next(self._unique)), cache_key=key,
+            entry = _Entry(key=key if self.dedupe else object(), cache_key=key,
                            request=request, waiters={fut})
             self._pending[entry.key] = entry
             self._schedule()
@@ -345,12 +299,12 @@ class AutoBatcher(Generic[R, V]):
             return
         if self._pending.get(entry.key) is entry:
             del self._pending[entry.key]
-            self._n_dropped_cancelled += 1
+            self._counts["dropped_cancelled"] += 1
         elif entry.handle is not None and self._inflight.get(entry.key) is entry:
             # Nobody waits any more; cancelling the engine's future aborts the work.
             del self._inflight[entry.key]
             entry.handle.cancel()
-            self._n_dropped_cancelled += 1
+            self._counts["dropped_cancelled"] += 1
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         old = self._loop
@@ -411,7 +365,7 @@ class AutoBatcher(Generic[R, V]):
         """Hand every live pending entry to ``start``, in groups of at most ``batch_size``."""
         self._cancel_flush()
         live = [e for e in self._pending.values() if e.live()]
-        self._n_dropped_cancelled += len(self._pending) - len(live)
+        self._counts["dropped_cancelled"] += len(self._pending) - len(live)
         self._pending.clear()
         for i in range(0, len(live), self.batch_size):
             self._start_group(live[i : i + self.batch_size])
@@ -423,14 +377,13 @@ class AutoBatcher(Generic[R, V]):
             if len(handles) != len(group):
                 raise RuntimeError(f"{self.name}: start returned {len(handles)} futures for {len(group)} requests")
         except BaseException as exc:  # noqa: BLE001 - e.g. the engine is shut down: this group's awaiters
-            self._n_failed_calls += 1
+            self._counts["failed_calls"] += 1
             for e in group:
                 self._resolve_exc(e, exc)
             return
-        self._n_engine_calls += 1
-        self._n_items += len(group)
+        self._counts["engine_calls"] += 1
+        self._counts["items"] += len(group)
         self._batch_hist[len(group)] += 1
-        self._max_batch = max(self._max_batch, len(group))
         box = self._mailbox
         if box is None or box.loop is not self._loop:
             box = self._mailbox = _Mailbox(self._loop, self._on_entry_done)
@@ -488,7 +441,7 @@ class AutoBatcher(Generic[R, V]):
         """
         if self._forward_off_loop(self.reset, exc):
             return
-        self._n_resets += 1
+        self._counts["resets"] += 1
         self._cancel_flush()
         entries = list(itertools.chain(self._pending.values(), self._inflight.values()))
         self._pending.clear()
