@@ -65,6 +65,10 @@ class _Spec:
     model_vocab: int | None = None  # logit width; None -> len(tokenizer)
     hidden: int = 128
     layers: int = 2
+    heads: int | None = None  # attention heads; None -> hidden // 64 (head_dim 64)
+    kv_heads: int | None = None  # None -> heads
+    intermediate: int | None = None  # MLP width; None -> 2 * hidden
+    tie_embeddings: bool = False
 
 
 _SPECS: dict[str, _Spec] = {
@@ -76,6 +80,17 @@ _SPECS: dict[str, _Spec] = {
     # Benchmarks only (not in TINY_KINDS): a mid-size model, 6 layers, hidden 512 (~50M params).
     "llama-32k-mid": _Spec(
         arch="llama", tokenizer_vocab=32768, corpus_chars=5_000_000, model_vocab=32768, hidden=512, layers=6
+    ),
+    # Benchmarks only: the same 6-layer, hidden-512 Llama with a 2,048-token vocabulary.
+    "llama-2k-mid": _Spec(
+        arch="llama", tokenizer_vocab=2048, corpus_chars=1_000_000, model_vocab=2048, hidden=512, layers=6
+    ),
+    # Benchmarks only: Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads of dim 64, 2 KV heads,
+    # MLP 4864, tied embeddings, 151,936 logit columns) with random weights and a 32k tokenizer:
+    # the logit columns past the tokenizer are padding, as in the real model (~494M params).
+    "qwen2-0.5b-shape": _Spec(
+        arch="qwen2", tokenizer_vocab=32768, corpus_chars=5_000_000, model_vocab=151936, hidden=896,
+        layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True,
     ),
 }
 assert set(TINY_KINDS) <= set(_SPECS)
@@ -175,17 +190,26 @@ def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, *, arch: str = 
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=512, **special)
 
 
-def _make_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 2) -> Any:
-    heads = hidden // 64  # head_dim 64: vLLM's CPU attention rejects tiny head dims
+def _make_config(
+    arch: str,
+    vocab_size: int,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    tie_embeddings: bool = False,
+) -> Any:
+    heads = heads or hidden // 64  # head_dim 64: vLLM's CPU attention rejects tiny head dims
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads or heads,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         initializer_range=_INIT_STD,
         bos_token_id=_BOS_ID,
         eos_token_id=_EOS_ID,
@@ -231,7 +255,10 @@ def _build(kind: str, out_dir: pathlib.Path) -> None:
     spec = _SPECS[kind]
     tokenizer = _train_tokenizer(spec.arch, spec.tokenizer_vocab, spec.corpus_chars)
     vocab_size = max(len(tokenizer), spec.model_vocab or 0)
-    config = _make_config(spec.arch, vocab_size, spec.hidden, spec.layers)
+    config = _make_config(
+        spec.arch, vocab_size, spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate,
+        spec.tie_embeddings,
+    )
     # transformers' own init draws from the global RNG; keep the caller's state intact.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
