@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Query, SampleArgs, ServingLM
+from .base import SampleArgs
 from .lora import Adapter
+from .serving import Query, ServingLM
 
 __all__ = ["MockAsyncLM", "MockTokenizer", "default_byte_vocab"]
 

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from .base import ClosedError, Query, SampleArgs, ServingLM, TokenIds
+from .base import ClosedError, SampleArgs, TokenIds
 from .batching import AutoBatcher, KeyPlan
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, make_lora_request, wait_all
 from .lora import Adapter, UnknownAdapterError
+from .serving import Query, ServingLM
 
 __all__ = ["AsyncVirtualLM", "ClosedError"]  # ClosedError lives in base; re-exported here
 

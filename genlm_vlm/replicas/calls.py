@@ -1,5 +1,5 @@
 """The pool's actor calls: launching and collecting them, failure handling, sampling, LoRA,
-restarts and shutdown (the :class:`~genlm_vlm.base.ServingLM` hooks of the pool).
+restarts and shutdown (the :class:`~genlm_vlm.serving.ServingLM` hooks of the pool).
 
 A mixin of :class:`~.pool.ReplicaPool` (kept apart so each file stays readable). Threading: the
 router and the batcher's futures are thread-safe; completions of async row calls arrive on a Ray

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base import Query, ServingLM
 from ..batching import AutoBatcher, KeyPlan
+from ..serving import Query, ServingLM
 from . import launch
 from .calls import CallMixin
 from .routing import ReplicaDiedError, Router
