@@ -18,13 +18,16 @@ import concurrent.futures
 import functools
 import itertools
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from .cache import OutputCache
+
+from .dedup import KeyPlan, lookup
 
 __all__ = ["AutoBatcher", "KeyPlan", "lookup"]
 
@@ -36,65 +39,6 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def lookup(
-    key: Hashable, cache: OutputCache | None, *tables: Mapping[Hashable, Any]
-) -> tuple[Literal["joined", "cached", "new"], Any]:
-    """The cache-and-dedup step every query takes, awaited or blocking.
-
-    ``("joined", x)`` when one of ``tables`` (work already planned or in flight) holds ``key``,
-    ``x`` being what it holds there; else ``("cached", value)`` when ``cache`` holds it; else
-    ``("new", None)``: the key must be computed. The tables are looked at first, so a joined key
-    costs no cache lookup (and no cache miss).
-    """
-    for table in tables:
-        found = table.get(key)
-        if found is not None:
-            return "joined", found
-    if cache is not None:
-        value = cache.get(key)
-        if value is not None:
-            return "cached", value
-    return "new", None
-
-
-class KeyPlan(Generic[V]):
-    """The cache-and-dedup step of one blocking call over ``keys`` (:func:`lookup` per key).
-
-    After construction, :attr:`todo` maps each key that must be computed to the index of its
-    first occurrence (in first-seen order); the caller computes them, calls :meth:`fill` for
-    each, then :meth:`results` gives one value per key of ``keys``, in order.
-    ``cache_hits`` counts distinct keys served by the cache, ``dedup_joins`` the keys that
-    repeat an earlier key of the call.
-    """
-
-    def __init__(self, keys: Sequence[Hashable], cache: OutputCache | None = None) -> None:
-        self.keys = keys
-        self.cache = cache
-        self.values: dict[Hashable, V] = {}
-        self.todo: dict[Hashable, int] = {}
-        self.cache_hits = 0
-        self.dedup_joins = 0
-        for i, key in enumerate(keys):
-            how, value = lookup(key, cache, self.values, self.todo)
-            if how == "joined":
-                self.dedup_joins += 1
-            elif how == "cached":
-                self.values[key] = value
-                self.cache_hits += 1
-            else:
-                self.todo[key] = i
-
-    def fill(self, key: Hashable, value: V) -> None:
-        """The computed value of ``key`` (stored in the cache too)."""
-        if self.cache is not None:
-            self.cache.put(key, value)
-        self.values[key] = value
-
-    def results(self) -> list[V]:
-        """One value per key, in the order of ``keys`` (every key of :attr:`todo` filled)."""
-        return [self.values[k] for k in self.keys]
-
-
 @dataclass(eq=False)
 class _Entry:
     """One unit of work handed to ``start``; shared by every awaiter of its key."""
@@ -103,7 +47,8 @@ class _Entry:
     cache_key: Hashable | None  # key for the output cache (None = not cached)
     request: Any
     waiters: set[asyncio.Future] = field(default_factory=set)
-    handle: concurrent.futures.Future | None = None  # the engine's future, once dispatched
+    handle: Any = None  # the engine's future or ticket, once dispatched (has .cancel())
+    exclusive: bool = False  # the value went to one awaiter and nowhere else: no copy needed
 
     def live(self) -> bool:
         """True if at least one awaiter still wants the result."""
@@ -174,6 +119,11 @@ class AutoBatcher(Generic[R, V]):
             computation. If false, every submit is its own entry (e.g. for sampling); an
             explicit ``key`` is then used for the cache only.
         name: Label used in error messages.
+        bursts: If true, ``start(requests, listener, payloads)`` returns one handle per request
+            (anything with ``cancel()``, e.g. :class:`genlm_vlm.engine.Ticket`) and reports
+            results by calling ``listener([(handle, value, exception), ...])`` from any thread,
+            each handle carrying its payload as ``handle.payload``: one hop to the event loop per
+            call instead of one per result (the engine calls it once per step).
 
     Threading: every method except :meth:`reset` / :meth:`close` must be called from the
     event loop the batcher is used on; those two may be called from any thread (off-loop calls
@@ -193,6 +143,7 @@ class AutoBatcher(Generic[R, V]):
         deliver: Callable[[V], V] = _identity,
         dedupe: bool = True,
         name: str = "batcher",
+        bursts: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
@@ -205,6 +156,8 @@ class AutoBatcher(Generic[R, V]):
         self._deliver = deliver
         self.dedupe = bool(dedupe)
         self.name = name
+        self._bursts = bool(bursts)
+        self._listener: tuple[Any, int, Callable[..., None]] | None = None  # (loop, generation, fn)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -215,6 +168,7 @@ class AutoBatcher(Generic[R, V]):
         self._generation = 0  # bumped by reset(); completions of older entries are dropped
         self._closed = False
         self._counts: Counter[str] = Counter()  # the counters of ``stats`` (loop thread)
+        self._deliver_s = 0.0  # loop time spent handing burst results to awaiters (loop thread)
         self._batch_hist: Counter[int] = Counter()
 
     # ---------------------------------------------------------------- status
@@ -241,13 +195,15 @@ class AutoBatcher(Generic[R, V]):
         included), ``dedup_joins`` (submits that joined a pending or in-flight entry),
         ``cache_hits``, ``items`` (entries handed to ``start``), ``dropped_cancelled`` (entries
         nobody waited for any more: never sent, or their engine future cancelled),
-        ``failed_calls`` (groups ``start`` could not take), ``resets``, ``max_batch`` and
-        ``batch_sizes`` (a ``{size: count}`` histogram).
+        ``failed_calls`` (groups ``start`` could not take), ``resets``, ``max_batch``,
+        ``batch_sizes`` (a ``{size: count}`` histogram), and in burst mode ``result_hops``
+        (hand-overs of results from the engine thread to the loop: one per engine step) and
+        ``deliver_s`` (loop seconds spent caching results and resolving awaiters).
         """
         names = ("engine_calls", "requests", "dedup_joins", "cache_hits", "items", "dropped_cancelled",
-                 "failed_calls", "resets")
+                 "failed_calls", "resets", "result_hops")
         return {**{n: self._counts[n] for n in names}, "max_batch": max(self._batch_hist, default=0),
-                "batch_sizes": dict(sorted(self._batch_hist.items()))}
+                "batch_sizes": dict(sorted(self._batch_hist.items())), "deliver_s": round(self._deliver_s, 6)}
 
     # ---------------------------------------------------------------- submit
     async def submit(self, request: R, key: Hashable | None = None) -> V:
@@ -286,7 +242,7 @@ class AutoBatcher(Generic[R, V]):
             value = await fut
         finally:
             self._release(entry, fut)
-        return self._deliver(value)
+        return value if entry.exclusive else self._deliver(value)
 
     def _release(self, entry: _Entry, fut: asyncio.Future) -> None:
         """Detach a finished (or abandoned) awaiter; drop the entry once nobody waits for it."""
@@ -373,7 +329,10 @@ class AutoBatcher(Generic[R, V]):
     def _start_group(self, group: list[_Entry]) -> None:
         assert self._loop is not None
         try:
-            handles = list(self._start([e.request for e in group]))
+            if self._bursts:
+                handles = list(self._start([e.request for e in group], self._burst_listener(), group))
+            else:
+                handles = list(self._start([e.request for e in group]))
             if len(handles) != len(group):
                 raise RuntimeError(f"{self.name}: start returned {len(handles)} futures for {len(group)} requests")
         except BaseException as exc:  # noqa: BLE001 - e.g. the engine is shut down: this group's awaiters
@@ -384,6 +343,11 @@ class AutoBatcher(Generic[R, V]):
         self._counts["engine_calls"] += 1
         self._counts["items"] += len(group)
         self._batch_hist[len(group)] += 1
+        if self._bursts:
+            for e, handle in zip(group, handles, strict=True):
+                e.handle = handle
+                self._inflight[e.key] = e
+            return
         box = self._mailbox
         if box is None or box.loop is not self._loop:
             box = self._mailbox = _Mailbox(self._loop, self._on_entry_done)
@@ -394,28 +358,68 @@ class AutoBatcher(Generic[R, V]):
 
     def _on_entry_done(self, generation: int, entry: _Entry, handle: concurrent.futures.Future) -> None:
         """One entry's engine future finished (loop thread)."""
+        if handle.cancelled():
+            self._finish(generation, entry, None, None, cancelled=True)
+        elif (exc := handle.exception()) is not None:
+            self._finish(generation, entry, None, exc)
+        else:
+            self._finish(generation, entry, handle.result(), None)
+
+    def _burst_listener(self) -> Callable[[list[tuple[Any, Any, BaseException | None]]], None]:
+        """The listener handed to ``start`` in burst mode: it hops to the loop once per call."""
+        loop, generation = self._loop, self._generation
+        cached = self._listener
+        if cached is not None and cached[0] is loop and cached[1] == generation:
+            return cached[2]
+
+        def listener(items: list[tuple[Any, Any, BaseException | None]]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._on_burst, generation, items)  # type: ignore[union-attr]
+            except RuntimeError:  # the loop is closed: nobody waits there any more
+                pass
+
+        self._listener = (loop, generation, listener)
+        return listener
+
+    def _on_burst(self, generation: int, items: list[tuple[Any, Any, BaseException | None]]) -> None:
+        """Results of one engine step (loop thread)."""
+        t0 = time.perf_counter()
+        self._counts["result_hops"] += 1
+        for handle, value, exc in items:
+            try:
+                self._finish(generation, handle.payload, value, exc)
+            except BaseException as err:  # noqa: BLE001 - reported, and the rest still delivered
+                self._loop.call_exception_handler(  # type: ignore[union-attr]
+                    {"message": "genlm_vlm: delivering a result failed", "exception": err}
+                )
+        self._deliver_s += time.perf_counter() - t0
+
+    def _finish(self, generation: int, entry: _Entry, value: Any, exc: BaseException | None,
+                cancelled: bool = False) -> None:
+        """An entry's computation ended: cache its value and resolve its awaiters."""
         if self._inflight.get(entry.key) is entry:
             del self._inflight[entry.key]
         if generation != self._generation:
             return  # reset meanwhile: its awaiters were resolved then
-        if handle.cancelled():
+        if cancelled:
             for f in entry.waiters:
                 f.cancel()
             return
-        exc = handle.exception()
         if exc is not None:
             self._resolve_exc(entry, exc)
             return
-        value = handle.result()
-        if self.cache is not None and entry.cache_key is not None:
+        cached = self.cache is not None and entry.cache_key is not None
+        if cached:
             try:
-                self.cache.put(entry.cache_key, value)
+                self.cache.put(entry.cache_key, value)  # type: ignore[union-attr]
             except Exception as cache_exc:  # noqa: BLE001 - goes to this entry's awaiters
                 self._resolve_exc(entry, cache_exc)
                 return
-        for f in entry.waiters:
-            if not f.done():
-                f.set_result(value)
+        live = [f for f in entry.waiters if not f.done()]
+        # The value is the engine's fresh object: one awaiter and no cache may keep it as is.
+        entry.exclusive = self._bursts and not cached and len(live) == 1
+        for f in live:
+            f.set_result(value)
 
     @staticmethod
     def _resolve_exc(entry: _Entry, exc: BaseException) -> None:

@@ -25,7 +25,7 @@ import torch
 from .base import ClosedError, SampleArgs, TokenIds
 from .batching import AutoBatcher, KeyPlan
 from .cache import OutputCache
-from .engine import EngineDriver, SampleSpec, make_lora_request, wait_all
+from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
 from .lora import Adapter, UnknownAdapterError
 from .serving import Query, ServingLM
 
@@ -100,11 +100,11 @@ class AsyncVirtualLM(ServingLM):
         self._lora_requests: dict[int, Any] = {}
         self._logprob_batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
             self._start_logprobs, batch_size=self.batch_size, timeout=self.timeout,
-            cache=self.cache, deliver=_clone, name="logprobs",
+            cache=self.cache, deliver=_clone, name="logprobs", bursts=True,
         )
         self._sample_batcher: AutoBatcher[tuple[SampleArgs, Adapter | None], list[int]] = AutoBatcher(
             self._start_samples, batch_size=self.batch_size, timeout=self.timeout,
-            dedupe=False, deliver=list, name="sample",
+            dedupe=False, deliver=list, name="sample", bursts=True,
         )
         # Counters of the blocking path (the batchers count the awaited one); see ``stats``.
         self._sync_lock = threading.Lock()
@@ -201,33 +201,45 @@ class AsyncVirtualLM(ServingLM):
             )
         return request
 
-    def _submit(self, items: list[Any], make: Any, submit: Any) -> list[cf.Future]:
+    def _submit(self, items: list[Any], make: Any, submit: Any, listener: Any, payloads: Any) -> list[Any]:
         """``submit([make(item, lora_request) ...])`` for the items whose adapter is still
-        registered; the others get a future failed with ``UnknownAdapterError`` (that caller
-        only)."""
-        futures: list[cf.Future | None] = [None] * len(items)
-        ready, index = [], []
+        registered; the others fail with ``UnknownAdapterError`` (that caller only). Without
+        ``listener`` each item gets a ``concurrent.futures.Future``; with one, a
+        :class:`~genlm_vlm.engine.Ticket` (the engine reports results through ``listener``)."""
+        handles: list[Any] = [None] * len(items)
+        ready, index, failed = [], [], []
         for i, (item, adapter) in enumerate(items):
             try:
                 lora = self._lora_of(adapter)
             except UnknownAdapterError as e:
-                futures[i] = cf.Future()
-                futures[i].set_exception(e)  # type: ignore[union-attr]
+                if listener is None:
+                    handles[i] = cf.Future()
+                    handles[i].set_exception(e)
+                else:
+                    handles[i] = Ticket(listener, payloads[i])
+                    handles[i].resolved = True
+                    failed.append((handles[i], None, e))
                 continue
             ready.append(make(item, lora))
             index.append(i)
-        for i, fut in zip(index, submit(ready) if ready else [], strict=True):
-            futures[i] = fut
-        return futures  # type: ignore[return-value]
+        if ready:
+            sub = None if payloads is None else [payloads[i] for i in index]
+            for i, handle in zip(index, submit(ready, listener, sub), strict=True):
+                handles[i] = handle
+        if failed:
+            listener(failed)
+        return handles
 
-    def _start_logprobs(self, queries: list[Query]) -> list[cf.Future]:
-        """Hand queries to the engine loop; one ``concurrent.futures.Future`` per query."""
-        return self._submit(
-            [(q.ids, q.adapter) for q in queries], lambda ids, lora: (ids, lora), self._driver.submit_logprobs
-        )
+    def _start_logprobs(self, queries: list[Query], listener: Any = None, payloads: Any = None) -> list[Any]:
+        """Hand queries to the engine loop: one future per query, or with ``listener`` one
+        ticket per query whose row comes back through ``listener`` (the async batcher)."""
+        return self._submit([(q.ids, q.adapter) for q in queries], lambda ids, lora: (ids, lora),
+                            self._driver.submit_logprobs, listener, payloads)
 
-    def _start_samples(self, reqs: list[tuple[SampleArgs, Adapter | None]]) -> list[cf.Future]:
-        return self._submit(reqs, lambda s, lora: SampleSpec(*s, lora=lora), self._driver.submit_samples)
+    def _start_samples(self, reqs: list[tuple[SampleArgs, Adapter | None]], listener: Any = None,
+                       payloads: Any = None) -> list[Any]:
+        return self._submit(reqs, lambda s, lora: SampleSpec(*s, lora=lora), self._driver.submit_samples,
+                            listener, payloads)
 
     def _compute_rows(self, queries: list[Query]) -> list[torch.Tensor]:
         """Blocking rows for ``queries``; an interrupt (Ctrl-C) aborts their requests."""

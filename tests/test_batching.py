@@ -471,3 +471,92 @@ def test_constructor_checks():
         AutoBatcher(FakeStart(), batch_size=0)
     with pytest.raises(ValueError, match="timeout"):
         AutoBatcher(FakeStart(), timeout=-1)
+
+
+# ---------------------------------------------------------------------------- burst mode
+class BurstStart:
+    """A ``start`` in burst mode: returns tickets; the test reports results through the
+    listener from another thread, several at once, as the engine does once per step."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, object, list]] = []
+        self.cancelled: list = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, requests: list, listener, payloads: list) -> list:
+        from genlm_vlm.engine import Ticket
+
+        tickets = [Ticket(listener, p, self.cancelled.append) for p in payloads]
+        self.calls.append((list(requests), listener, tickets))
+        self._changed.set()
+        return tickets
+
+    async def wait_calls(self, n: int) -> None:
+        while len(self.calls) < n:
+            self._changed.clear()
+            await asyncio.wait_for(self._changed.wait(), 30)
+
+    def report(self, call: int, values: dict | None = None, exc: BaseException | None = None) -> None:
+        """Report every ticket of a call in one listener call, from another thread."""
+        requests, listener, tickets = self.calls[call]
+        items = [(t, None if exc else (values or {}).get(r, value_of(r)), exc) for r, t in zip(requests, tickets,
+                                                                                               strict=True)]
+        worker = threading.Thread(target=listener, args=(items,))
+        worker.start()
+        worker.join()
+
+
+async def test_bursts_deliver_a_whole_group_in_one_loop_hop():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True)
+    tasks = [asyncio.ensure_future(b.submit(r)) for r in ("a", "b", "c", "a")]
+    await fake.wait_calls(1)
+    assert fake.calls[0][0] == ["a", "b", "c"]
+    fake.report(0)
+    assert await settle(*tasks) == [value_of(r) for r in ("a", "b", "c", "a")]
+    st = b.stats
+    assert st["result_hops"] == 1 and st["dedup_joins"] == 1 and st["deliver_s"] >= 0
+
+
+async def test_bursts_copy_only_what_is_shared():
+    """One awaiter and no cache: the engine's fresh value is handed over as is; a value that
+    two awaiters share, or that the cache keeps, goes through ``deliver`` (a copy) per awaiter."""
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True, deliver=torch.Tensor.clone)
+    solo, dup1 = torch.zeros(3), torch.ones(3)
+    tasks = [asyncio.ensure_future(b.submit(r)) for r in ("solo", "dup", "dup")]
+    await fake.wait_calls(1)
+    fake.report(0, {"solo": solo, "dup": dup1})
+    got_solo, got1, got2 = await settle(*tasks)
+    assert got_solo is solo
+    assert got1 is not dup1 and got2 is not dup1 and got1 is not got2 and torch.equal(got1, dup1)
+    cached = AutoBatcher(BurstStart(), bursts=True, deliver=torch.Tensor.clone, cache=OutputCache(10))
+    task = asyncio.ensure_future(cached.submit("k"))
+    await cached._start.wait_calls(1)
+    value = torch.full((2,), 7.0)
+    cached._start.report(0, {"k": value})
+    got = await one(task)
+    assert got is not value and torch.equal(got, value)
+    assert cached.cache.get("k") is value  # the cache keeps the engine's tensor, callers get copies
+
+
+async def test_bursts_failures_cancellation_and_reset():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True)
+    t1 = asyncio.ensure_future(b.submit("x"))
+    t2 = asyncio.ensure_future(b.submit("y"))
+    await fake.wait_calls(1)
+    t2.cancel()
+    await passes(2)
+    assert [t.payload.request for t in fake.cancelled] == ["y"]  # its ticket was cancelled
+    fake.report(0, exc=ValueError("bad row"))
+    with pytest.raises(ValueError, match="bad row"):
+        await one(t1)
+    t3 = asyncio.ensure_future(b.submit("z"))
+    await fake.wait_calls(2)
+    b.reset()
+    with pytest.raises(asyncio.CancelledError):
+        await one(t3)
+    fake.report(1)  # a late result after the reset is dropped
+    await passes(2)
+    assert b.num_inflight == 0

@@ -36,7 +36,6 @@ class SampleSpec:
     eos: Tokens
     temperature: float
     seed: int | None
-    adapter: int = 0  # TODO(compat): derived from lora
     lora: Any = None
 
 
@@ -53,21 +52,34 @@ Listener = Callable[[list[tuple["Ticket", Any, BaseException | None]]], None]
 class Ticket:
     """A caller's claim on one job's result, delivered through a :data:`Listener`.
 
-    ``cancelled`` is set by :meth:`EngineDriver.cancel` (any thread) and read by the engine
-    thread; ``resolved`` is written by the engine thread only. ``payload`` is the caller's.
+    :meth:`cancel` (any thread) abandons it: nothing is delivered for it, and the job's request
+    is aborted once no waiter is left. ``cancelled`` is written by :meth:`cancel`, ``resolved``
+    by the engine thread only. ``payload`` is the caller's (e.g. its own record of the query).
     """
 
-    __slots__ = ("cancelled", "job", "listener", "payload", "resolved")
+    __slots__ = ("_on_cancel", "cancelled", "job", "listener", "payload", "resolved")
 
-    def __init__(self, listener: Listener, payload: Any = None) -> None:
+    def __init__(self, listener: Listener, payload: Any = None,
+                 on_cancel: Callable[[Ticket], None] | None = None) -> None:
         self.listener = listener
         self.payload = payload
+        self._on_cancel = on_cancel
         self.job: Job | None = None
         self.cancelled = False
         self.resolved = False
 
     def done(self) -> bool:
         return self.cancelled or self.resolved
+
+    def cancel(self) -> bool:
+        """Abandon this ticket; False if its result was already handed over."""
+        if self.resolved:
+            return False
+        if not self.cancelled:
+            self.cancelled = True
+            if self._on_cancel is not None:
+                self._on_cancel(self)
+        return True
 
 
 Waiter = cf.Future | Ticket

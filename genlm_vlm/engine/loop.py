@@ -189,7 +189,7 @@ class EngineDriver:
         by nobody else: identical queries in flight share one request but each waiter gets
         its own tensor.
         """
-        jobs = [Job("logprobs", q[0], q[-1], []) for q in queries]  # TODO(compat): (ids, key, lora)
+        jobs = [Job("logprobs", ids, lora, []) for ids, lora in queries]
         return self._submit(jobs, listener, payloads)
 
     def submit_samples(self, specs: Sequence[SampleSpec], listener: Listener | None = None,
@@ -215,23 +215,25 @@ class EngineDriver:
                 w: Any = cf.Future()
                 w.add_done_callback(self._on_future_done(job))
             else:
-                w = Ticket(listener, None if payloads is None else payloads[i])
+                w = Ticket(listener, None if payloads is None else payloads[i], self._ticket_cancelled)
                 w.job = job
             job.waiters.append(w)
             waiters.append(w)
         self._post(PostJobs(jobs))
         return waiters
 
+    def _ticket_cancelled(self, ticket: Ticket) -> None:
+        """A ticket was cancelled (any thread): abort its request at the next step if nobody
+        else waits for it."""
+        if not self._closed and ticket.job is not None:
+            self._inbox.append(Cancel(ticket.job))
+            self._wake.set()
+
     def cancel(self, tickets: Sequence[Ticket]) -> None:
         """Abandon these tickets' queries (any thread): nothing is delivered for them, and a
         request nobody else waits for is aborted at the next step."""
         for t in tickets:
-            if t.done():
-                continue
-            t.cancelled = True
-            if not self._closed and t.job is not None:
-                self._inbox.append(Cancel(t.job))
-        self._wake.set()
+            t.cancel()
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the engine thread between two steps and return its result."""

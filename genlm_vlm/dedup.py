@@ -1,0 +1,78 @@
+"""The cache-and-dedup step every row query takes, awaited or blocking.
+
+:func:`lookup` answers one key from work already planned or in flight (a join), from the output
+cache, or not at all (it must be computed); :class:`KeyPlan` applies it to the keys of one
+blocking call. The async batcher (:mod:`genlm_vlm.batching`) calls :func:`lookup` per submit.
+Pure Python; not thread-safe (each caller uses its own tables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from .cache import OutputCache
+
+V = TypeVar("V")
+
+__all__ = ["KeyPlan", "lookup"]
+
+
+def lookup(
+    key: Hashable, cache: OutputCache | None, *tables: Mapping[Hashable, Any]
+) -> tuple[Literal["joined", "cached", "new"], Any]:
+    """The cache-and-dedup step every query takes, awaited or blocking.
+
+    ``("joined", x)`` when one of ``tables`` (work already planned or in flight) holds ``key``,
+    ``x`` being what it holds there; else ``("cached", value)`` when ``cache`` holds it; else
+    ``("new", None)``: the key must be computed. The tables are looked at first, so a joined key
+    costs no cache lookup (and no cache miss).
+    """
+    for table in tables:
+        found = table.get(key)
+        if found is not None:
+            return "joined", found
+    if cache is not None:
+        value = cache.get(key)
+        if value is not None:
+            return "cached", value
+    return "new", None
+
+
+class KeyPlan(Generic[V]):
+    """The cache-and-dedup step of one blocking call over ``keys`` (:func:`lookup` per key).
+
+    After construction, :attr:`todo` maps each key that must be computed to the index of its
+    first occurrence (in first-seen order); the caller computes them, calls :meth:`fill` for
+    each, then :meth:`results` gives one value per key of ``keys``, in order.
+    ``cache_hits`` counts distinct keys served by the cache, ``dedup_joins`` the keys that
+    repeat an earlier key of the call.
+    """
+
+    def __init__(self, keys: Sequence[Hashable], cache: OutputCache | None = None) -> None:
+        self.keys = keys
+        self.cache = cache
+        self.values: dict[Hashable, V] = {}
+        self.todo: dict[Hashable, int] = {}
+        self.cache_hits = 0
+        self.dedup_joins = 0
+        for i, key in enumerate(keys):
+            how, value = lookup(key, cache, self.values, self.todo)
+            if how == "joined":
+                self.dedup_joins += 1
+            elif how == "cached":
+                self.values[key] = value
+                self.cache_hits += 1
+            else:
+                self.todo[key] = i
+
+    def fill(self, key: Hashable, value: V) -> None:
+        """The computed value of ``key`` (stored in the cache too)."""
+        if self.cache is not None:
+            self.cache.put(key, value)
+        self.values[key] = value
+
+    def results(self) -> list[V]:
+        """One value per key, in the order of ``keys`` (every key of :attr:`todo` filled)."""
+        return [self.values[k] for k in self.keys]
