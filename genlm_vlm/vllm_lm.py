@@ -37,7 +37,7 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryEr
 
 
 #: Keyword arguments of :meth:`AsyncVirtualLM.from_name` itself (the rest go to ``__init__``).
-_FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "max_sessions")
+_FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "max_sessions", "delivery_parts")
 
 
 def _check_chunk_sizes(chunk_size: int, min_chunk_size: int) -> None:
@@ -121,6 +121,7 @@ class AsyncVirtualLM(ServingLM):
         output_device: str | torch.device = "cpu",
         sessions: bool = True,
         max_sessions: int | None = None,
+        delivery_parts: int = 1,
         **kwargs: Any,
     ) -> AsyncVirtualLM:
         """Build the vLLM engine for ``model_name`` (hub name or local path) and wrap it.
@@ -131,7 +132,10 @@ class AsyncVirtualLM(ServingLM):
         ``block_size=32``. ``sessions`` (default True) keeps each query's request alive so a
         later query that extends it costs only its new tokens (vLLM >= 0.32; older versions use
         plain requests, see ``engine_info.mode``). ``max_sessions`` caps idle sessions (default
-        vLLM's ``max_num_seqs``). Other keyword arguments go to :class:`AsyncVirtualLM`
+        vLLM's ``max_num_seqs``). ``delivery_parts`` (default 1) spreads a group of awaited
+        queries over that many engine steps, so the program can work on the first part's rows
+        while the engine computes the rest (see docs/BENCHMARKS.md for when it pays). Other
+        keyword arguments go to :class:`AsyncVirtualLM`
         (``batch_size``, ``timeout``, ``cache_size``, ``cache_opts``, ``chunk_size``,
         ``min_chunk_size``); an unknown one raises ``TypeError`` before the engine is built.
         A model that cannot be found raises ``FileNotFoundError`` before vLLM is imported: a
@@ -146,6 +150,7 @@ class AsyncVirtualLM(ServingLM):
             output_device=output_device,
             sessions=sessions,
             max_sessions=max_sessions,
+            parts=delivery_parts,
         )
         try:
             return cls(driver, **kwargs)

@@ -312,3 +312,44 @@ def test_a_resample_at_full_capacity_takes_one_step():
         assert st["sessions"]["evicted"] >= 4
     finally:
         driver.shutdown()
+
+
+def test_parts_deliver_a_group_over_several_steps():
+    """With parts=2 a group of 16 queries is admitted 8 and 8: the first 8 rows are handed over
+    after the first step, while the other 8 wait for the next one."""
+    driver, core = make(FakeCore(max_num_seqs=32), parts=2)
+    try:
+        calls: list[list] = []
+        done = threading.Event()
+
+        def listener(items):
+            calls.append(items)
+            if sum(len(c) for c in calls) == 16:
+                done.set()
+
+        driver.submit_logprobs([((i + 1,), None) for i in range(16)], listener=listener)
+        assert done.wait(10)
+        assert [len(c) for c in calls] == [8, 8]
+        assert all(exc is None for c in calls for _, _, exc in c)
+        assert driver.stats()["engine_steps"] == 2
+    finally:
+        driver.shutdown()
+
+
+def test_a_part_whose_requests_all_fail_does_not_stall_the_rest():
+    core = FakeCore(max_num_seqs=32)
+    driver, _ = make(core, parts=2)
+    try:
+        real = core.add_rows
+
+        def add_rows(rid, tokens, tag, lora, resumable):
+            if tokens[0] <= 8:
+                raise ValueError("refused")
+            real(rid, tokens, tag, lora, resumable)
+
+        core.add_rows = add_rows
+        futs = driver.submit_logprobs([((i + 1,), None) for i in range(16)])
+        outcomes = [f.exception(timeout=10) for f in futs]
+        assert all(isinstance(e, ValueError) for e in outcomes[:8]) and outcomes[8:] == [None] * 8
+    finally:
+        driver.shutdown()

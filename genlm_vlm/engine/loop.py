@@ -90,6 +90,8 @@ class EngineDriver:
         max_sessions: cap on idle sessions (default: the engine's ``max_num_seqs``); idle plus
             active requests never exceed ``max_num_seqs``.
         kv_evict_threshold: evict idle sessions while KV usage is above this fraction.
+        parts: deliver a group's rows over this many engine steps (see
+            :class:`~.steps.StepLoop`); 1 admits a group at once.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class EngineDriver:
         sessions: bool = True,
         max_sessions: int | None = None,
         kv_evict_threshold: float = DEFAULT_KV_EVICT_THRESHOLD,
+        parts: int = 1,
     ) -> None:
         if max_sessions is not None and max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {max_sessions!r}")
@@ -119,6 +122,9 @@ class EngineDriver:
         self._want_sessions = bool(sessions)
         self._kv_threshold = float(kv_evict_threshold)
         self._max_sessions = max_sessions
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"parts must be an int >= 1, got {parts!r}")
+        self._parts = parts
         self._inbox: deque[Message] = deque()
         self._wake = threading.Event()
         self._ready = threading.Event()
@@ -296,7 +302,7 @@ class EngineDriver:
             logger.info("genlm_vlm engine mode: %s (%s)", self.info.mode, self.sessions_reason)
             self._loop = StepLoop(
                 core, self.info, self._inbox, self._wake, output_device=self.output_device,
-                max_sessions=self._max_sessions, kv_threshold=self._kv_threshold,
+                max_sessions=self._max_sessions, kv_threshold=self._kv_threshold, parts=self._parts,
             )
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._start_error = e

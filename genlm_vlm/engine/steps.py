@@ -33,6 +33,8 @@ DEFAULT_KV_EVICT_THRESHOLD = 0.9
 #: Consecutive engine steps that schedule nothing, with no idle session left to evict, before
 #: the waiting jobs are failed.
 MAX_STALLED_STEPS = 8
+#: With ``parts > 1``: the fewest queries admitted in one engine step.
+MIN_PART = 8
 
 
 class StepLoop:
@@ -45,6 +47,9 @@ class StepLoop:
         output_device: where rows are delivered (None: where the core puts them).
         max_sessions: cap on idle sessions (None: ``info.max_num_seqs``).
         kv_threshold: evict idle sessions while KV usage is above this fraction.
+        parts: admit a group of queries over this many engine steps (at least
+            :data:`MIN_PART` queries a step), so the first part's rows reach the program while
+            the engine computes the next part; 1 (the default) admits a group at once.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class StepLoop:
         output_device: torch.device | None,
         max_sessions: int | None,
         kv_threshold: float,
+        parts: int = 1,
     ) -> None:
         self.core = core
         self.info = info
@@ -68,6 +74,8 @@ class StepLoop:
         self._inbox = inbox
         self._wake = wake
         self._kv_threshold = kv_threshold
+        self._parts = max(1, int(parts))
+        self._part = 0  # most new requests per admission round (0: no limit)
         self._max_num_seqs = max(1, info.max_num_seqs)
         cap = self._max_num_seqs if max_sessions is None else max_sessions
         self._max_idle = min(cap, self._max_num_seqs)
@@ -106,7 +114,7 @@ class StepLoop:
                 self._step()
                 mark = clock()
                 self._enforce_caps()
-            elif not self._inbox:
+            elif not self._inbox and not self._queue:
                 self._outbox.flush()
                 t0 = clock()
                 spent["host"] += t0 - mark
@@ -121,6 +129,8 @@ class StepLoop:
                 case PostJobs(jobs):
                     self._queue.extend(jobs)
                     self._counts["engine_calls"] += 1
+                    if self._parts > 1:
+                        self._part = max(MIN_PART, -(-len(self._queue) // self._parts))
                 case Cancel(job):
                     self._cancel(job)
                 case Call(fn, args, kwargs, fut):
@@ -141,7 +151,8 @@ class StepLoop:
         claimed_lengths: set[int] = set()
         queue = self._queue
         by_key = self._by_key
-        while queue:
+        budget = self._part or len(queue)
+        while queue and budget > 0:
             job = queue[0]
             if not job.wanted():
                 queue.popleft()
@@ -161,6 +172,7 @@ class StepLoop:
                             w.job = twin
                     continue
                 by_key[key] = job
+            budget -= 1
             if job.kind == "sample":
                 self._start_sample(job)
             else:
