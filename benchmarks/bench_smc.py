@@ -21,7 +21,9 @@ Systems, all in one process, on the same local model and engine options:
   reordered on resampling), full-vocabulary ``log_softmax`` per step.
 
 Prints rows/s (one row = one particle-step) per system and the ratios ours/decode,
-ours/generate1, ours/hf; medians of ``--reps`` repetitions after one warm-up. Writes JSON to
+ours/generate1, ours/hf, and for ours the account of a particle-step (microseconds per row:
+``step`` inside vLLM's step, ``host`` genlm_vlm's engine-thread work, ``idle`` the engine
+waiting for the program, ``loop`` genlm_vlm's hand-over on the event loop; CPU/wall); medians of ``--reps`` repetitions after one warm-up. Writes JSON to
 ``--out``. Example::
 
     .venv/bin/python benchmarks/bench_smc.py --model llama-32k --n 64 256 --resample 0 4
@@ -118,6 +120,18 @@ def run_hf(model: Any, prompt: list[int], n: int, moves: list) -> None:
             past = out.past_key_values
 
 
+def account(name: str, before: dict, after: dict, rows: int, cpu_s: float, wall_s: float) -> dict[str, float]:
+    """Where one particle-step's time went (microseconds per row, over warm-up and reps):
+    ``step`` inside vLLM's step, ``host`` genlm_vlm's engine-thread work, ``idle`` the engine
+    waiting for the program, ``loop`` genlm_vlm's result hand-over on the event loop; and the
+    process's CPU seconds per wall second (2.0 = both cores busy)."""
+    t0, t1 = before["engine_time"], after["engine_time"]
+    out = {f"{name}_{k[:-2]}_us": round((t1[k] - t0[k]) / rows * 1e6, 1) for k in t1}
+    out[f"{name}_loop_us"] = round((after["logprobs"]["deliver_s"] - before["logprobs"]["deliver_s"]) / rows * 1e6, 1)
+    out[f"{name}_cpu_per_wall"] = round(cpu_s / wall_s, 2)
+    return out
+
+
 def timed(fn: Any, reps: int) -> float:
     fn()  # warm-up
     times = []
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=None, help="engine block_size (default: genlm_vlm's)")
     ap.add_argument("--systems", nargs="+", default=["ours", "ours_requests", "generate1", "decode", "hf"])
     ap.add_argument("--out", default="benchmarks/results/smc.json")
+    ap.add_argument("--delivery-parts", type=int, default=1, help="AsyncVirtualLM delivery_parts for ours")
     args = ap.parse_args(argv)
 
     from genlm_vlm import AsyncVirtualLM
@@ -152,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = asyncio.new_event_loop()
     lms: dict[str, Any] = {}
     if "ours" in args.systems:
-        lms["ours"] = AsyncVirtualLM.from_name(path, dict(opts), cache_size=0)
+        lms["ours"] = AsyncVirtualLM.from_name(path, dict(opts), cache_size=0, delivery_parts=args.delivery_parts)
     if "ours_requests" in args.systems:
         lms["ours_requests"] = AsyncVirtualLM.from_name(path, dict(opts), sessions=False, cache_size=0)
     llm = None
@@ -169,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    vocab = 32768 if "32k" in args.model else 400
+    vocab = 32768 if ("32k" in args.model or "0.5b" in args.model) else 400
 
     def fresh(lm: Any) -> None:
         lm.clear_cache()  # also releases idle sessions
@@ -182,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = n * args.steps
             cell: dict[str, Any] = {"model": args.model, "n": n, "steps": args.steps, "prompt_len": args.prompt_len, "resample": resample}
             for name, lm in lms.items():
+                before, cpu0, wall0 = lm.stats, time.process_time(), time.perf_counter()
                 cell[name] = rows / timed(lambda lm=lm: (fresh(lm), loop.run_until_complete(run_ours(lm, prompt, n, moves))), args.reps)  # noqa: B023 (called at once)
+                cell.update(account(name, before, lm.stats, rows * (args.reps + 1),
+                                    time.process_time() - cpu0, time.perf_counter() - wall0))
             if llm is not None and "generate1" in args.systems:
                 per_step = step_prompts(prompt, n, moves)
                 cell["generate1"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_generate1(llm, per_step)), args.reps)  # noqa: B023
