@@ -78,6 +78,7 @@ class FakeCore:
         self.sessions = (sessions, "fake sessions" if sessions else "fake: no sessions")
         self.split_lora = False
         self.steps_per_request = steps_per_request
+        self.row_fn = fake_row  # (tokens, vocab) -> the row for that sequence
         self.max_per_step = max_per_step
         self.kv = 0.0
         self.stall = False
@@ -155,7 +156,7 @@ class FakeCore:
                     continue
                 r.steps_left -= 1
                 if r.tag is not None:
-                    self.sink.rows[r.tag] = fake_row(r.tokens, self.info.vocab_size)
+                    self.sink.rows[r.tag] = self.row_fn(r.tokens, self.info.vocab_size)
                 if r.steps_left > 0:
                     outputs.append(Output(r.rid, [], None))
                     continue
