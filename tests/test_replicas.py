@@ -370,8 +370,10 @@ def test_cleanup_leaves_no_ray_process(pool):
     procs = [c for c in me.children(recursive=True) if "ray" in " ".join(_cmdline(c))]
     actor_pids = {info["pid"] for info in pool.replica_info}
     assert actor_pids <= {c.pid for c in procs}
+    assert pool.health["checker"]["running"] and pool.health["checker"]["interval_s"] == 5.0  # on by default
     with pool:
         pass  # __exit__ cleans up
+    assert not pool.health["checker"]["running"]  # the health checker stopped first
     _, alive = psutil.wait_procs(procs, timeout=60)  # teardown: a deadline, not a sleep
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.name()) for p in alive]

@@ -95,6 +95,10 @@ class ReplicaWorker:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def ping(self) -> bool:
+        """The pool's health check: answered on the actor's event loop, touches nothing."""
+        return True
+
     # ------------------------------------------------------------------ rows
     async def logprobs(self, queries: list[tuple[int, ...]], lora_name: str | None) -> list[Any]:
         """Rows of ``queries``: one float32 numpy ``[V]`` per query, each a view of the row the

@@ -67,6 +67,11 @@ class CallMixin:
     _batcher: Any
     _closed: bool
     _vocab_size: int
+    _health: Any
+    _closing: Any
+    _restart_lock: Any
+    _adapter_lock: Any
+    _starting: set[int]
 
     # ------------------------------------------------------------------ errors
     def _translate(self, exc: BaseException, replica: int, gen: int) -> BaseException:
@@ -79,13 +84,16 @@ class CallMixin:
         if isinstance(exc, ray.exceptions.RayActorError):
             if self._router.mark_dead(replica, gen):
                 logger.warning("genlm_vlm: replica %d died (%s); routing to the others", replica, type(exc).__name__)
+                if self._health is not None:
+                    self._health.wake()  # restart it now if auto_restart
             live = self._router.live_replicas()
             detail = str(exc).strip().splitlines()
+            then = ("the pool restarts it (auto_restart)" if self.auto_restart  # type: ignore[attr-defined]
+                    else f"pool.restart_replica({replica}) starts a fresh one")
             err = ReplicaDiedError(
                 f"replica {replica} of the ReplicaPool died while this call was in flight "
                 f"({type(exc).__name__}: {detail[0] if detail else ''}). The pool goes on with "
-                f"{'replicas ' + str(live) if live else 'no live replica'}; "
-                f"pool.restart_replica({replica}) starts a fresh one.",
+                f"{'replicas ' + str(live) if live else 'no live replica'}; {then}.",
                 replica,
             )
             err.__cause__ = exc
@@ -280,11 +288,15 @@ class CallMixin:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """``replicas``: each slot's own ``AsyncVirtualLM.stats`` (None for a dead slot);
+        """``replicas``: each slot's own ``AsyncVirtualLM.stats`` plus ``restarts`` (of the
+        slot), ``node`` (Ray node id) and ``pid`` of its actor (None for a dead slot);
         ``routing``: per replica ``live``, ``inflight``, ``sessions`` (recorded), ``restarts``,
         ``routed``, ``session_hits`` (continued a recorded session), ``prefix_hits`` (longest
         cached prefix), ``by_load`` (new prompts), ``spilled`` (prefix hits sent elsewhere for
-        balance), ``failed``; ``logprobs``: the driver batcher's counters."""
+        balance), ``failed``; ``health``: the health checker's ``interval_s``,
+        ``auto_restart``, ``running``, ``rounds``, ``pings``, ``deaths_found``, ``restarts``
+        (by the checker), ``restart_failures``, ``last_error`` (None when checks are off);
+        ``logprobs``: the driver batcher's counters."""
         replicas: list[Any] = [None] * len(self._actors)
         if not self._closed:
             refs = [(i, self._router.generation(i), self._remote(i, "stats")) for i in self._router.live_replicas()]
@@ -295,50 +307,101 @@ class CallMixin:
                     replicas[i] = self._ray.get(ref, timeout=60)
                 except Exception as e:  # noqa: BLE001 - a dead replica has no stats
                     self._translate(e, i, gen)
-        return {"replicas": replicas, "routing": self._router.snapshot(), "logprobs": self._batcher.stats}
+        routing = self._router.snapshot()
+        for i, r in enumerate(replicas):
+            if r is not None:
+                info = self.replica_info[i]  # type: ignore[attr-defined]
+                r.update(restarts=routing["replicas"][i]["restarts"], node=info.get("node"), pid=info.get("pid"))
+        return {
+            "replicas": replicas,
+            "routing": routing,
+            "health": None if self._health is None else self._health.snapshot(),
+            "logprobs": self._batcher.stats,
+        }
 
     def restart_replica(self, index: int) -> None:
         """Replace slot ``index`` (dead or not) with a fresh actor and engine, same options, with
         the registered LoRA adapters; blocks until it serves. Calls in flight on the old actor
-        fail with :class:`ReplicaDiedError`. From async code: ``await asyncio.to_thread(...)``."""
+        fail with :class:`ReplicaDiedError`. From async code: ``await asyncio.to_thread(...)``.
+        (With ``auto_restart=True`` the health checker does this for every dead replica.)"""
         self._check_open()  # type: ignore[attr-defined]
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < len(self._actors):
             raise ValueError(f"index must be a replica slot in [0, {len(self._actors)}), got {index!r}")
+        self._replace(int(index))
+
+    def _found_dead(self, replica: int, gen: int, exc: BaseException) -> bool:
+        """The health checker found the actor of ``replica`` (generation ``gen``) dead: it
+        leaves routing, as after a failed call. True if it was live until now."""
+        if not self._router.mark_dead(replica, gen):
+            return False
+        detail = str(exc).strip().splitlines()
+        logger.warning("genlm_vlm: replica %d was found dead by the health check (%s: %s); routing to the others",
+                       replica, type(exc).__name__, detail[0] if detail else "")
+        return True
+
+    def _replace(self, index: int, *, auto: bool = False) -> bool:
+        """Start a fresh actor in slot ``index`` (see :meth:`restart_replica`). ``auto`` (the
+        health checker): only if the slot is still dead, and only if the cluster has room for
+        it now (else ``ValueError`` at once). Returns whether a replica was started. Cleanup
+        meanwhile cancels it (:class:`ClosedError`, the new actor killed)."""
         ray = self._ray
-        with self._restart_lock:  # type: ignore[attr-defined]
+        with self._restart_lock:
+            if self._closing.is_set():
+                raise ClosedError("this ReplicaPool was cleaned up")
+            if auto and self._router.is_live(index):
+                return False  # restarted by someone else meanwhile
             self._router.mark_dead(index, self._router.generation(index))
             try:
                 ray.kill(self._actors[index], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            [(actor, info)] = launch.start_actors(ray, [index], self._make_actor, self._start_timeout)  # type: ignore[attr-defined]
+            if auto:
+                opts = launch.actor_options(ray, self._engine_opts, self._user_opts, self._cpus[index])  # type: ignore[attr-defined]
+                launch.check_fits(ray, opts, 1)
+            self._starting.add(index)
             try:
-                for name in self._loras.names():  # type: ignore[attr-defined]
-                    adapter = self._loras.get(name)  # type: ignore[attr-defined]
-                    if adapter is not None:
-                        ray.get(actor.add_lora.remote(adapter.path, name))
+                [(actor, info)] = launch.start_actors(
+                    ray, [index], self._make_actor, self._start_timeout, cancel=self._closing,  # type: ignore[attr-defined]
+                )
+            finally:
+                self._starting.discard(index)
+            try:
+                with self._adapter_lock:  # no adapter is added or removed until it is routed to
+                    for name in self._loras.names():  # type: ignore[attr-defined]
+                        adapter = self._loras.get(name)  # type: ignore[attr-defined]
+                        if adapter is not None:
+                            ray.get(actor.add_lora.remote(adapter.path, name), timeout=self._start_timeout)  # type: ignore[attr-defined]
+                    if self._closing.is_set():
+                        raise ClosedError("this ReplicaPool was cleaned up while a replica was restarting")
+                    self._actors[index] = actor
+                    self.replica_info[index] = info  # type: ignore[attr-defined]
+                    self._router.revive(index)
             except BaseException as e:
                 ray.kill(actor)
-                raise launch.unwrap(ray, e) from e
-            self._actors[index] = actor
-            self.replica_info[index] = info  # type: ignore[attr-defined]
-            self._router.revive(index)
+                cause = launch.unwrap(ray, e)
+                if cause is e:
+                    raise
+                raise cause from e
+            return True
 
     def _close_impl(self) -> None:
         """Shut every replica down (engines freed, actors killed) and, if a pool started Ray,
         shut Ray down with the last such pool."""
         ray = self._ray
         try:
-            if ray.is_initialized():
-                refs = [r for r in (self._remote(i, "cleanup") for i in self._router.live_replicas())
-                        if not isinstance(r, BaseException)]
-                if refs:
-                    ray.wait(refs, num_returns=len(refs), timeout=60)
-                for a in self._actors:
-                    try:
-                        ray.kill(a)
-                    except Exception:  # noqa: BLE001 - already gone
-                        pass
+            # cleanup() set _closing: a restart in progress gives up; wait for it to have
+            # killed its actor (or installed it) before killing the pool's actors
+            with self._restart_lock:
+                if ray.is_initialized():
+                    refs = [r for r in (self._remote(i, "cleanup") for i in self._router.live_replicas())
+                            if not isinstance(r, BaseException)]
+                    if refs:
+                        ray.wait(refs, num_returns=len(refs), timeout=60)
+                    for a in self._actors:
+                        try:
+                            ray.kill(a)
+                        except Exception:  # noqa: BLE001 - already gone
+                            pass
         finally:
             if self._owns_ray:  # type: ignore[attr-defined]
                 self._owns_ray = False

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -190,14 +191,30 @@ def start_actors(
     indices: list[int],
     make: Any,
     timeout: float,
+    cancel: threading.Event | None = None,
 ) -> list[tuple[Any, dict[str, Any]]]:
     """Create the actors of ``indices`` with ``make(i)`` and build their engines in parallel;
     returns ``(actor, start info)`` per index. On any failure every actor created here is
-    killed and the first error is raised (a remote exception as itself)."""
+    killed and the first error is raised (a remote exception as itself). ``cancel`` set while
+    they start (the pool is being cleaned up): :class:`~genlm_vlm.ClosedError`."""
     actors = [make(i) for i in indices]
     refs = [a.start.remote() for a in actors]
     try:
-        infos = ray.get(refs, timeout=timeout)
+        if cancel is None:
+            infos = ray.get(refs, timeout=timeout)
+        else:
+            deadline = time.monotonic() + timeout
+            pending = list(refs)
+            while pending:
+                if cancel.is_set():
+                    from ..base import ClosedError
+
+                    raise ClosedError("the ReplicaPool was cleaned up while replicas were starting")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ray.exceptions.GetTimeoutError(f"replicas {indices} did not start")
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.1))
+            infos = ray.get(refs)
     except BaseException as e:
         for a in actors:
             try:

@@ -6,7 +6,9 @@ Driver side: awaits of one event-loop pass are deduplicated and grouped by an
 back as float32 numpy rows in one Ray object (written into the object store once by the actor,
 read in place here); each awaiter gets its own torch copy of its row. Sync calls route the same way and block on
 ``ray.get``. A replica that dies fails the awaiters of its in-flight calls with
-:class:`~.routing.ReplicaDiedError` and leaves routing until :meth:`ReplicaPool.restart_replica`.
+:class:`~.routing.ReplicaDiedError` and leaves routing until :meth:`ReplicaPool.restart_replica`
+or, with ``auto_restart=True``, until the health checker (:mod:`.health`) has replaced it; the
+checker's pings also find replicas that die while idle.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..batching import AutoBatcher, KeyPlan
 from ..serving import Query, ServingLM
 from . import launch
 from .calls import CallMixin
+from .health import HealthChecker, check_interval
 from .routing import ReplicaDiedError, Router
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,14 @@ class ReplicaPool(CallMixin, ServingLM):
             resources they ask for raises ``TimeoutError`` then).
         max_routes, min_match, balance_threshold: routing table bound and policy, see
             :class:`~genlm_vlm.replicas.Router`.
+        health_interval_s: seconds between health pings of the live replicas (one cheap actor
+            call each, from one daemon thread per pool); a replica whose actor is found dead,
+            idle or busy, leaves routing as if a call had failed on it. ``None``: no checks (an
+            idle death is then noticed at the replica's next call). Default 5 s.
+        auto_restart: replace every dead replica (found by a ping or by a failed call) with a
+            fresh actor, as :meth:`restart_replica` does (same options, adapters registered
+            again); a failed restart is logged and retried after a growing pause (up to 60 s).
+            Needs ``health_interval_s``. Can be changed later through :attr:`auto_restart`.
         lm_kwargs: :meth:`AsyncVirtualLM.from_name` keywords (``sessions``, ``max_sessions``,
             ``batch_size``, ``cache_size``, ``chunk_size``, ...) for every replica;
             ``batch_size``, ``timeout`` and ``chunk_size`` also set the driver's grouping.
@@ -112,6 +123,8 @@ class ReplicaPool(CallMixin, ServingLM):
         max_routes: int = 100_000,
         min_match: float = 0.5,
         balance_threshold: int = 32,
+        health_interval_s: float | None = 5.0,
+        auto_restart: bool = False,
         **lm_kwargs: Any,
     ) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral) or num_replicas < 1:
@@ -119,6 +132,9 @@ class ReplicaPool(CallMixin, ServingLM):
         if engine_opts is not None and not isinstance(engine_opts, dict):
             raise TypeError(f"engine_opts must be a dict of vllm.LLM options, got {type(engine_opts).__name__}")
         n = int(num_replicas)
+        interval = check_interval(health_interval_s)
+        if auto_restart and interval is None:
+            raise ValueError("auto_restart=True needs health checks: pass health_interval_s (seconds)")
         self._init_options(lm_kwargs)
         model = os.fspath(model_name)
         if ray_address is None:  # the model must be here: fail before Ray starts
@@ -135,7 +151,10 @@ class ReplicaPool(CallMixin, ServingLM):
             if self._owns_ray:
                 launch.release_ray(ray)
             raise
+        self._health = None if interval is None else HealthChecker(self, interval, bool(auto_restart))
         self._closed = False
+        if self._health is not None:
+            self._health.start()
 
     def _init_options(self, lm_kwargs: dict[str, Any]) -> None:
         from ..vllm_lm import AsyncVirtualLM
@@ -156,7 +175,11 @@ class ReplicaPool(CallMixin, ServingLM):
         super().__init__(batch_size=replica_kwargs.get("batch_size", 256), timeout=replica_kwargs.pop("timeout", 0.0))
         self.chunk_size = int(replica_kwargs.get("chunk_size", 1024))
         self._lm_kwargs = replica_kwargs
-        self._restart_lock = threading.Lock()
+        self._restart_lock = threading.Lock()  # one restart at a time; cleanup waits for it
+        self._adapter_lock = threading.RLock()  # adapter changes vs a restart's registrations
+        self._closing = threading.Event()  # set first by cleanup(): cancels a restart
+        self._starting: set[int] = set()  # slots whose new actor is starting
+        self._health: HealthChecker | None = None
         self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
             self._start_logprobs, batch_size=self.batch_size, timeout=self.timeout,
             deliver=_own_row, name="logprobs",
@@ -235,9 +258,58 @@ class ReplicaPool(CallMixin, ServingLM):
         return self._router.live_replicas()
 
     @property
+    def auto_restart(self) -> bool:
+        """Whether the health checker replaces dead replicas; settable (needs health checks)."""
+        return self._health is not None and self._health.auto_restart
+
+    @auto_restart.setter
+    def auto_restart(self, value: bool) -> None:
+        if self._health is None:
+            raise ValueError("this pool has no health checks (health_interval_s=None): it cannot auto-restart")
+        self._health.auto_restart = bool(value)
+
+    @property
+    def health(self) -> dict[str, Any]:
+        """``checker``: the health checker's state (as ``stats["health"]``; None when checks are
+        off); ``starting``: the slots whose fresh actor is being started; ``replicas``: per slot
+        ``live``, ``restarts``, ``node`` and ``pid``. Read on the driver: no replica is called."""
+        routing = self._router.snapshot()["replicas"]
+        return {
+            "checker": None if self._health is None else self._health.snapshot(),
+            "starting": sorted(self._starting),
+            "replicas": [
+                {"live": r["live"], "restarts": r["restarts"], "node": info.get("node"), "pid": info.get("pid")}
+                for r, info in zip(routing, self.replica_info, strict=True)
+            ],
+        }
+
+    @property
     def engine_info(self) -> Any:
         """Replica 0's :class:`~genlm_vlm.engine.ModelInfo` (all replicas run the same engine)."""
         return self._info
+
+    # ------------------------------------------------------------------ lifecycle
+    def cleanup(self) -> None:
+        """Stop the health checker (cancelling a restart in progress), then shut every replica
+        down (engines freed, actors killed) and, if a pool started Ray, shut Ray down with the
+        last such pool. Pending awaiters get :class:`~genlm_vlm.ClosedError`. Idempotent."""
+        closing, health = getattr(self, "_closing", None), getattr(self, "_health", None)
+        if closing is not None:  # None: __init__ failed before there was anything to stop
+            closing.set()
+        if health is not None:
+            health.stop()
+        super().cleanup()
+
+    def add_new_lora(self, lora_path: str | os.PathLike[str], lora_name: str = "lora_1") -> None:
+        with self._adapter_lock:  # a replica restarting meanwhile registers it, or gets it here
+            super().add_new_lora(lora_path, lora_name)
+
+    def remove_lora(self, lora_name: str) -> None:
+        with self._adapter_lock:
+            super().remove_lora(lora_name)
+
+    add_new_lora.__doc__ = ServingLM.add_new_lora.__doc__
+    remove_lora.__doc__ = ServingLM.remove_lora.__doc__
 
     # ------------------------------------------------------------------ rows (ServingLM hooks)
     def _batchers(self) -> tuple[AutoBatcher[Any, Any], ...]:
