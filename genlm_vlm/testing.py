@@ -69,6 +69,9 @@ class _Spec:
     kv_heads: int | None = None  # None -> heads
     intermediate: int | None = None  # MLP width; None -> 2 * hidden
     tie_embeddings: bool = False
+    # Zero the embedding and output rows of the logit columns past the tokenizer, so padding gets
+    # logit 0 and almost no mass (random rows there would carry most of it, as empty tokens).
+    zero_padded_rows: bool = False
 
 
 _SPECS: dict[str, _Spec] = {
@@ -90,7 +93,7 @@ _SPECS: dict[str, _Spec] = {
     # the logit columns past the tokenizer are padding, as in the real model (~494M params).
     "qwen2-0.5b-shape": _Spec(
         arch="qwen2", tokenizer_vocab=32768, corpus_chars=5_000_000, model_vocab=151936, hidden=896,
-        layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True,
+        layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True, zero_padded_rows=True,
     ),
 }
 assert set(TINY_KINDS) <= set(_SPECS)
@@ -265,6 +268,10 @@ def _build(kind: str, out_dir: pathlib.Path) -> None:
         model = AutoModelForCausalLM.from_config(config)
     model = model.to(torch.float32).eval()
     _init_weights(model, _SEED, _INIT_STD)
+    if spec.zero_padded_rows and vocab_size > len(tokenizer):
+        with torch.no_grad():
+            for emb in (model.get_input_embeddings(), model.get_output_embeddings()):
+                emb.weight[len(tokenizer) :] = 0.0
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
