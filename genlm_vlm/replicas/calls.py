@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import functools
 import logging
 import numbers
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,10 @@ from . import launch
 from .routing import ReplicaDiedError
 
 logger = logging.getLogger(__name__)
+
+#: How long an automatic restart waits for the cluster to have room for the new actor (Ray
+#: frees a dead actor's resources shortly after its death is reported).
+RESOURCE_GRACE_S = 2.0
 
 
 def _settle(fut: cf.Future, value: Any = None, exc: BaseException | None = None) -> None:
@@ -355,9 +360,18 @@ class CallMixin:
                 ray.kill(self._actors[index], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            if auto:
+            if auto:  # fail now (retried later) rather than wait start_timeout for room
                 opts = launch.actor_options(ray, self._engine_opts, self._user_opts, self._cpus[index])  # type: ignore[attr-defined]
-                launch.check_fits(ray, opts, 1)
+                deadline = time.monotonic() + RESOURCE_GRACE_S
+                while True:
+                    try:
+                        launch.check_fits(ray, opts, 1)
+                        break
+                    except ValueError:  # a dead actor's resources are freed a moment later
+                        if self._closing.wait(0.05):
+                            raise ClosedError("this ReplicaPool was cleaned up") from None
+                        if time.monotonic() > deadline:
+                            raise
             self._starting.add(index)
             try:
                 [(actor, info)] = launch.start_actors(
