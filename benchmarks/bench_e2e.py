@@ -18,15 +18,20 @@ run, so no run reuses another's program caches).
 
 Systems, each in its own fresh subprocess spawned by this script (so genlm-backend, which
 genlm-control imports, never touches the plain vLLM baseline's process), all kept alive for one
-model and driven in turn; every system gets one warm-up run per cell, then ``--reps`` timed runs,
-the systems' order rotating from one repetition to the next; the median is reported:
+model and driven in turn; every system first runs a tiny untimed SMC (N=2, T=4: one-off costs
+such as genlm-control's tables over the vocabulary), then gets one warm-up run per cell, then ``--reps`` timed runs,
+the systems' order rotating from one repetition to the next; the median is reported (a system
+whose warm-up took over ``--slow-s`` seconds, in practice ``transformers`` on the big model, gets
+one timed run in that cell: ``reps_run``):
 
 * ``ours``: ``genlm_vlm.AsyncVirtualLM.from_name(path, ENGINE_OPTS)`` under the program. Before
   every run its output cache is cleared, its idle sessions released and vLLM's prefix cache reset.
-* ``mock``: the program over ``genlm_vlm.MockAsyncLM.from_name(path)`` (same tokenizer and logit
-  width; pseudo-random rows): the program's own cost. The mock's row making is timed apart
+* ``mock``: the program over ``genlm_vlm.MockAsyncLM.from_name(path, logit_scale=0.2 *
+  sqrt(hidden))`` (same tokenizer and logit width; pseudo-random rows whose logits spread like
+  the random models'; padded columns past the tokenizer pushed 30 nats under the row's maximum,
+  as the models' zeroed rows are): the program's own cost. The mock's row making is timed apart
   (``mock_rows_s``; at 151,936 columns it is not free), and ``program_s`` = run time minus it.
-  The mock's rows are not the model's, so its particles take other paths; compare per token.
+  The mock's rows are not the model's, so its particles take other paths (compare resamplings).
 * ``decode``: a plain ``vllm.LLM`` with the same engine options genlm_vlm uses
   (``genlm_vlm.engine.options.DEFAULT_ENGINE_OPTS``, plus ``CPU_ENGINE_OPTS`` on the CPU build,
   plus ``ENGINE_OPTS`` below: block_size 32 everywhere), decoding as many tokens as ``ours``'
@@ -47,10 +52,10 @@ the systems' order rotating from one repetition to the next; the median is repor
 
 Recorded per run: wall seconds, process CPU seconds (``time.process_time``, every thread, plus
 live child processes) over wall seconds and split by thread (``thread_cpu_s``: the program's
-main thread, ours' engine thread, the rest, e.g. OpenMP workers), particle-steps and steps, and for ``ours`` the change
-of every numeric ``lm.stats`` counter, notably ``engine_time`` (``step_s``: vLLM stepping;
-``host_s``: genlm_vlm's host work on the engine thread; ``idle_s``: the engine thread waiting
-for the program). Ratios, in time terms: ``ours/decode`` = decode_s / ours_s (1.0 = at vLLM's
+main thread, ours' engine thread, the rest, e.g. OpenMP workers), particle-steps and steps,
+and for ``ours`` the change of every numeric ``lm.stats`` counter, notably ``engine_time``
+(``step_s``: vLLM stepping; ``host_s``: genlm_vlm's host work on the engine thread;
+``idle_s``: the engine thread waiting for the program). Ratios, in time terms: ``ours/decode`` = decode_s / ours_s (1.0 = at vLLM's
 decode floor), ``ours_vs_transformers`` = transformers_s / ours_s, ``serial_bound`` = decode_s /
 (decode_s + mock program_s): what ours would reach if engine and program took turns at no other
 cost. Targets (issue 18): ours/decode >= 0.75 at N=32 on the 6-layer model, ours >= 3x
@@ -277,15 +282,28 @@ class ProgramRunner:
 
             self.lm = AsyncVirtualLM.from_name(path, dict(engine_opts))
         elif system == "mock":
-            from genlm_vlm import MockAsyncLM
+            import math
 
-            self.lm = MockAsyncLM.from_name(path)
+            import torch
+
+            from genlm_vlm import MockAsyncLM
+            from genlm_vlm.testing import _INIT_STD
+
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                hidden = int(json.load(f)["hidden_size"])
+            # The models' logits spread like a unit-RMS hidden state times N(0, std^2) weights.
+            self.lm = MockAsyncLM.from_name(path, logit_scale=_INIT_STD * math.sqrt(hidden))
             compute = self.lm._compute
+            known = len(self.lm.tokenizer)
 
             def timed_compute(*a: Any, **kw: Any) -> Any:
                 t = time.perf_counter()
                 try:
-                    return compute(*a, **kw)
+                    row = compute(*a, **kw)
+                    if known < row.shape[-1]:  # padded columns: next to no mass, as in the model
+                        row[known:] = row[:known].max() - 30.0
+                        row = torch.log_softmax(row, dim=-1)
+                    return row
                 finally:
                     self.mock_rows_s += time.perf_counter() - t
 
@@ -604,6 +622,10 @@ def measure_model(name: str, path: str, args: argparse.Namespace, engine_opts: d
             workers[s] = Worker(s, path, engine_opts, log_dir, name)
             print(f"[{name}] {s} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         infos = {s: w.info for s, w in workers.items()}
+        for s, w in workers.items():  # one-off costs (program tables over the vocabulary, ...)
+            t0 = time.perf_counter()
+            w.run(n=2, t=4, seed=args.seed, tokens=8)
+            infos[s]["prime_s"] = round(time.perf_counter() - t0, 2)
         for n in args.n:
             runs: dict[str, list[dict]] = {s: [] for s in systems}
             warm: dict[str, dict] = {}
@@ -619,6 +641,8 @@ def measure_model(name: str, path: str, args: argparse.Namespace, engine_opts: d
             for rep in range(args.reps):
                 k = rep % len(systems)
                 for s in systems[k:] + systems[:k]:
+                    if rep and warm[s]["wall_s"] > args.slow_s:
+                        continue  # a slow system gets one timed run (see --slow-s)
                     res = workers[s].run(**common, tokens=tokens)
                     runs[s].append(res)
                     print(f"[{name} N={n} rep {rep + 1}/{args.reps}] {s}: {res['wall_s']:.3f}s "
@@ -641,6 +665,7 @@ def _cell(name: str, n: int, t: int, tokens: int, systems: Sequence[str], warm: 
         "resamples": ours_w.get("resamples"), "final_distinct_texts": ours_w.get("final_distinct_texts"),
         "distinct_contexts_per_step": ours_w.get("distinct_contexts_per_step"),
         "engine_rows": ours_w.get("stats_delta", {}).get("rows"),
+        "reps_run": {s: len(runs[s]) for s in systems},
         "seconds": med, "min_seconds": {s: min((r["wall_s"] for r in runs[s]), default=None) for s in systems},
         "cpu_per_wall": cpu, "mock_program_s": mock_program,
         "decode_cold_s": _median([r["cold_wall_s"] for r in runs.get("decode", [])]),
@@ -778,6 +803,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--t", type=int, default=None, help="max_tokens of the SMC (default 24)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-s", type=float, default=90.0,
+                   help="a system whose warm-up run takes longer gets one timed run in that cell (default 90)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--engine-opts", type=json.loads, default=None, help="JSON dict over ENGINE_OPTS")
     p.add_argument("--out", default=str(_HERE / "results" / "e2e.json"), help="JSON path; the PNG goes next to it")
@@ -828,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {
         "config": {
             "models": {m: MODELS[m] for m in args.models}, "n": args.n, "t": args.t, "reps": args.reps,
-            "seed": args.seed, "systems": [s for s in SYSTEMS if s in args.systems], "quick": args.quick,
+            "seed": args.seed, "slow_s": args.slow_s, "systems": [s for s in SYSTEMS if s in args.systems], "quick": args.quick,
             "engine_opts": engine_opts, "prompt": PROMPT, "pattern": PATTERN,
             "eos_byte_strings": [b.decode() for b in EOS_BYTE_STRINGS], "ess_threshold": ESS_THRESHOLD,
         },
