@@ -343,9 +343,13 @@ async def test_async_context_manager_and_closed_pool(model_paths):
     from genlm_vlm import ReplicaPool
 
     # num_cpus=0: the module's pool holds both CPUs of the local Ray instance
-    async with ReplicaPool.from_name(model_paths["llama"], 1, dict(ENGINE_OPTS), actor_options={"num_cpus": 0}) as p:
+    async with ReplicaPool.from_name(model_paths["llama"], 1, dict(ENGINE_OPTS), actor_options={"num_cpus": 0},
+                                     health_interval_s=None) as p:
         row = await p.next_token_logprobs([3, 4, 5])
         _check(model_paths["llama"], [[3, 4, 5]], [row])
+        assert p.health["checker"] is None and p.stats["health"] is None and not p.auto_restart
+        with pytest.raises(ValueError, match="no health checks"):
+            p.auto_restart = True
     with pytest.raises(ClosedError):
         await p.next_token_logprobs([3, 4, 5])
     with pytest.raises(ClosedError):
