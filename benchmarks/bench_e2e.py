@@ -825,6 +825,30 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _document(args: argparse.Namespace, engine_opts: dict[str, Any], infos: dict[str, Any], cells: list[dict],
+              uptime_start: str, uptime_end: str, wall_s: float) -> dict[str, Any]:
+    fairness = {}
+    for name, info in infos.items():
+        a, b = info.get("ours", {}).get("engine_config"), info.get("decode", {}).get("engine_config")
+        if a and b:
+            fairness[name] = {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    return {
+        "config": {
+            "models": {m: MODELS[m] for m in args.models}, "n": args.n, "t": args.t, "reps": args.reps,
+            "seed": args.seed, "slow_s": args.slow_s, "systems": [s for s in SYSTEMS if s in args.systems],
+            "quick": args.quick, "engine_opts": engine_opts, "prompt": PROMPT, "pattern": PATTERN,
+            "eos_byte_strings": [b.decode() for b in EOS_BYTE_STRINGS], "ess_threshold": ESS_THRESHOLD,
+        },
+        "environment": {
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "versions": _versions(), "uptime_start": uptime_start, "uptime_end": uptime_end,
+        },
+        "workers": infos,
+        "engine_config_differences_ours_vs_decode": fairness,
+        "cells": cells, "targets": _targets(cells), "table": _table(cells), "wall_s": wall_s,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.worker:
@@ -839,35 +863,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"uptime at start: {uptime_start}", file=sys.stderr, flush=True)
     cells: list[dict] = []
     infos: dict[str, Any] = {}
+    doc: dict[str, Any] = {}
     for name in args.models:
         path = build_model(MODELS[name])
         model_cells, infos[name] = measure_model(name, path, args, engine_opts, log_dir)
         infos[name]["path"] = path
         cells.extend(model_cells)
-    uptime_end = _uptime()
-    fairness = {}
-    for name, info in infos.items():
-        a, b = info.get("ours", {}).get("engine_config"), info.get("decode", {}).get("engine_config")
-        if a and b:
-            fairness[name] = {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-    table = _table(cells)
-    targets = _targets(cells)
-    doc = {
-        "config": {
-            "models": {m: MODELS[m] for m in args.models}, "n": args.n, "t": args.t, "reps": args.reps,
-            "seed": args.seed, "slow_s": args.slow_s, "systems": [s for s in SYSTEMS if s in args.systems], "quick": args.quick,
-            "engine_opts": engine_opts, "prompt": PROMPT, "pattern": PATTERN,
-            "eos_byte_strings": [b.decode() for b in EOS_BYTE_STRINGS], "ess_threshold": ESS_THRESHOLD,
-        },
-        "environment": {
-            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "versions": _versions(), "uptime_start": uptime_start, "uptime_end": uptime_end,
-        },
-        "workers": infos,
-        "engine_config_differences_ours_vs_decode": fairness,
-        "cells": cells, "targets": targets, "table": table, "wall_s": time.perf_counter() - wall0,
-    }
-    out.write_text(json.dumps(doc, indent=2, default=str))
+        doc = _document(args, engine_opts, infos, cells, uptime_start, _uptime(), time.perf_counter() - wall0)
+        out.write_text(json.dumps(doc, indent=2, default=str))  # after every model: partial results
+    uptime_end = doc["environment"]["uptime_end"]
+    table, targets, fairness = doc["table"], doc["targets"], doc["engine_config_differences_ours_vs_decode"]
     png = out.with_suffix(".png")
     _plot(cells, png, f"genlm_vlm bench_e2e: PromptedLLM + BoolFSA {PATTERN!r} + AWRS SMC, "
                       f"median of {args.reps} (uptime at start: {uptime_start.split('load average:')[-1].strip()})")
