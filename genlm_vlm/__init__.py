@@ -27,7 +27,7 @@ much of vLLM's log is shown), :mod:`genlm_vlm.testing` (tiny local models for te
 :mod:`genlm_vlm.scoring` and :mod:`genlm_vlm.demo` (the ``score`` and ``demo`` commands of
 ``python -m genlm_vlm`` and their Python functions). Everything else is internal and may change
 without notice: ``base``, ``serving``, ``vllm_lm``, ``mock``, ``batching``, ``cache``, ``capture``,
-``rowring``, ``lora``, ``dedup``, ``engine``, ``replicas``, ``cli``, ``_paths``, ``_genlm_compat``,
+``rowring``, ``lora``, ``dedup``, ``_lazy``, ``engine``, ``replicas``, ``cli``, ``_paths``, ``_genlm_compat``,
 ``_version``, and the submodules of the packages above (import the public names from the
 package: ``genlm_vlm.vocab.Token``, not ``genlm_vlm.vocab.token.Token``). The model classes
 are public through the names above, not through the modules that define them.
@@ -38,10 +38,10 @@ Importing the package is cheap: the names above are loaded on first access (PEP 
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._lazy import lazy_attributes
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -99,17 +99,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 

@@ -146,3 +146,34 @@ def fail_first_capture(lm, message: str) -> None:
         return real_store(tags, logits, rows)
 
     sink.store = exploding
+
+
+class EngineBuildStopped(Exception):
+    """Raised by the ``driver_calls`` fixture's fake engine driver in place of building an engine."""
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if an engine driver is constructed."""
+    from genlm_vlm import vllm_lm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"an engine was built: {args} {kwargs}")
+
+    monkeypatch.setattr(vllm_lm, "EngineDriver", refuse)
+
+
+@pytest.fixture
+def driver_calls(monkeypatch):
+    """Record the engine driver's arguments, then raise :class:`EngineBuildStopped` instead of
+    building."""
+    from genlm_vlm import vllm_lm
+
+    calls: list[tuple[tuple, dict]] = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise EngineBuildStopped
+
+    monkeypatch.setattr(vllm_lm, "EngineDriver", record)
+    return calls

@@ -15,35 +15,8 @@ import textwrap
 import pytest
 from conftest import ENGINE_OPTS, max_abs_diff
 
-from genlm_vlm import AsyncVirtualLM, vllm_lm
+from genlm_vlm import AsyncVirtualLM
 from genlm_vlm.engine import build, hub, options
-
-
-class _Stop(Exception):
-    """Raised by the fake engine driver in place of building an engine."""
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    """Fail the test if an engine driver is constructed."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"an engine was built: {args} {kwargs}")
-
-    monkeypatch.setattr(vllm_lm, "EngineDriver", refuse)
-
-
-@pytest.fixture
-def driver_calls(monkeypatch):
-    """Record the engine driver's arguments, then stop with :class:`_Stop` instead of building."""
-    calls: list[tuple[tuple, dict]] = []
-
-    def record(*args, **kwargs):
-        calls.append((args, kwargs))
-        raise _Stop
-
-    monkeypatch.setattr(vllm_lm, "EngineDriver", record)
-    return calls
 
 
 # ---------------------------------------------------------------- from_name

@@ -13,39 +13,13 @@ import inspect
 
 import pytest
 import torch
+from conftest import EngineBuildStopped
 
 import genlm_vlm
-from genlm_vlm import AsyncVirtualLM, MockAsyncLM, demo_model_path, load_model_by_name, vllm_lm
+from genlm_vlm import AsyncVirtualLM, MockAsyncLM, demo_model_path, load_model_by_name
 
 #: What genlm-backend's users pass to run the shipped model small (float32: the CPU build).
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 64, "kv_cache_memory_bytes": 32 << 20}
-
-
-class _Stop(Exception):
-    """Raised by the fake engine driver in place of building an engine."""
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    """Fail the test if an engine driver is constructed."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"an engine was built: {args} {kwargs}")
-
-    monkeypatch.setattr(vllm_lm, "EngineDriver", refuse)
-
-
-@pytest.fixture
-def driver_calls(monkeypatch):
-    """Record the engine driver's arguments, then stop with :class:`_Stop` instead of building."""
-    calls: list[tuple[tuple, dict]] = []
-
-    def record(*args, **kwargs):
-        calls.append((args, kwargs))
-        raise _Stop
-
-    monkeypatch.setattr(vllm_lm, "EngineDriver", record)
-    return calls
 
 
 def test_signature_is_genlm_backends():
@@ -73,11 +47,11 @@ def test_genlm_backends_vllm_call_builds_the_engine_it_describes():
 
 
 def test_llm_opts_are_from_names_keyword_arguments(driver_calls):
-    with pytest.raises(_Stop):
+    with pytest.raises(EngineBuildStopped):
         load_model_by_name("some/model", "vllm", {"engine_opts": {"dtype": "float32"}, "sessions": False})
-    with pytest.raises(_Stop):
+    with pytest.raises(EngineBuildStopped):
         load_model_by_name("other/model", llm_opts={"engine_opts": {"seed": 1}}, max_sessions=4)
-    with pytest.raises(_Stop):
+    with pytest.raises(EngineBuildStopped):
         load_model_by_name("third/model")  # genlm-backend's None: here the vLLM backend
     (args0, kw0), (args1, kw1), (args2, _) = driver_calls
     assert args0 == ("some/model", {"dtype": "float32"}) and kw0["sessions"] is False
