@@ -10,30 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
-from conftest import ENGINE_OPTS, max_abs_diff
+from conftest import ENGINE_OPTS
+from test_replicas_health import _check, _wait_for
 
 from genlm_vlm import ReplicaDiedError
-from genlm_vlm.testing import hf_reference_logprobs, random_prompts
+from genlm_vlm.testing import random_prompts
 
 V = 512  # the tiny llama's vocabulary
 
 pytestmark = pytest.mark.ray
-
-
-def _wait_for(cond, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)  # polling pause, not synchronisation
-
-
-def _check(path: str, prompts, rows) -> None:
-    err = max_abs_diff(rows, hf_reference_logprobs(path, prompts))
-    assert err < 1e-4, err
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import time
 import pytest
 from conftest import ENGINE_OPTS, max_abs_diff
 from test_lora import _make_adapter
+from test_replicas import _cmdline
 
 from genlm_vlm import ClosedError, ReplicaDiedError
 from genlm_vlm.testing import hf_reference_logprobs, random_prompts
@@ -217,8 +218,3 @@ def test_cleanup_during_a_restart_stops_the_checker_and_every_actor(pool):
     pool.cleanup()  # idempotent
 
 
-def _cmdline(proc) -> list[str]:
-    try:
-        return [proc.name(), *proc.cmdline()]
-    except Exception:  # noqa: BLE001 - gone meanwhile
-        return []
