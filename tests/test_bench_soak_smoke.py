@@ -28,7 +28,7 @@ WAVE_KEYS = {
 }
 SUMMARY_KEYS = {
     "rss_built_mb", "rss_warm_mb", "rss_end_mb", "growth_second_half_mb", "max_loop_gap_ms",
-    "max_hf_diff", "errors", "totals", "target_mb", "pass",
+    "max_hf_diff", "hf_checked", "errors", "totals", "target_mb", "memory_pass", "pass",
 }
 
 
@@ -44,7 +44,7 @@ def test_bench_soak_small(tmp_path: pathlib.Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert "growth over the second half" in proc.stdout and "PASS" in proc.stdout
+    assert "growth over the second half" in proc.stdout and "RESULT: PASS" in proc.stdout
 
     doc = json.loads(out.read_text())
     assert {"config", "environment", "waves", "summary", "errors", "stats"} <= set(doc)
@@ -62,5 +62,5 @@ def test_bench_soak_small(tmp_path: pathlib.Path) -> None:
     assert t["rows"] + t["cancelled"] == t["awaits"]  # every await either got a row or was cancelled
     assert t["rows"] > 0 and t["cancel_early"] > 0 and t["cancel_late"] > 0 and t["cancelled"] > 0
     assert t["forks"] > 0 and t["resamples"] > 0 and t["distinct"] < t["awaits"]  # forks and duplicates
-    assert 0 < s["max_hf_diff"] < 1e-4  # rows compared with transformers
+    assert s["hf_checked"] >= 2 and 0 < s["max_hf_diff"] < 1e-3  # rows compared with transformers
     assert doc["stats"]["logprobs"]["dedup_joins"] > 0
