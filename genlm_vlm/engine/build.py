@@ -157,6 +157,9 @@ def shield_llvmlite() -> None:
 
 _build_lock = threading.Lock()
 
+#: oneDNN primitive cache capacity genlm_vlm sets on the CPU build unless the user set one.
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = 128
+
 
 def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEngine:
     """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
@@ -202,6 +205,10 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEng
     kv_bytes = None
     if is_cpu_platform():
         merged.update(CPU_ENGINE_OPTS)
+        # oneDNN keeps up to 1,024 compiled matmul shapes by default (~0.26 MB each); SMC steps of
+        # varying token counts fill it, so memory grew ~270 MB over a soak. 128 entries kept it
+        # flat for ~4 % of step time (benchmarks/bench_soak.py). Read once, at the first kernel.
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
         if "kv_cache_memory_bytes" not in opts and "gpu_memory_utilization" not in opts:
             kv_bytes = model_kv_cache_bytes(model, {**merged, **opts}, CPU_ENGINE_OPTS["gpu_memory_utilization"])
             if kv_bytes is not None:

@@ -176,8 +176,14 @@ class EngineDriver:
         self._wake.set()
 
     def _on_future_done(self, job: Job) -> Callable[[cf.Future], None]:
+        # The callback lets go of its job when it runs: a future keeps its callbacks after it is
+        # done, and future -> callback -> job -> waiters -> future would be a reference cycle
+        # holding the row until a full garbage collection (rare: vLLM freezes its start-up objects).
+        held = [job]
+
         def on_done(f: cf.Future) -> None:
-            if f.cancelled() and not self._closed:
+            job = held.pop() if held else None
+            if job is not None and f.cancelled() and not self._closed:
                 self._inbox.append(Cancel(job))
                 self._wake.set()
 
