@@ -383,8 +383,6 @@ class AsyncVirtualLM(ServingLM):
             "sample": self._sample_batcher.stats,
             "sync": sync,
             "cache": self.cache.stats(),
-            "capture_apply_calls": self._driver.sink.apply_calls,
-            "prefix_cache": dict(self._driver.prefix_cache) if self._driver.log_stats else None,
         }
 
     def _close_impl(self) -> None:

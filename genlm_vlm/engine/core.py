@@ -446,10 +446,6 @@ class VLLMCore:
         self._templates.clear()
         self._remove_lora(int_id)
 
-    def lora_ids(self) -> set[int]:
-        """Ids of the adapters the engine holds."""
-        return set(self.llm.llm_engine.list_loras())
-
     # ---------------------------------------------------------------- the rest
     def tokenizer(self) -> Any:
         return self.llm.get_tokenizer()

@@ -156,17 +156,22 @@ class Outbox:
         self.by_listener: dict[Any, list[tuple[Ticket, Any, BaseException | None]]] = {}
 
     def resolve(self, job: Job, value: Any = None, exc: BaseException | None = None) -> None:
+        """Resolve every waiter of ``job`` still waiting with the same value (or exception)."""
         for w in job.waiters:
-            if type(w) is Ticket:
-                if w.done():
-                    continue
-                w.resolved = True
-                self.by_listener.setdefault(w.listener, []).append((w, value, exc))
-            elif not w.done() and w.set_running_or_notify_cancel():
-                if exc is not None:
-                    w.set_exception(exc)
-                else:
-                    w.set_result(value)
+            self.resolve_waiter(w, value, exc)
+
+    def resolve_waiter(self, w: Waiter, value: Any = None, exc: BaseException | None = None) -> None:
+        """Resolve one waiter, unless it is done already (cancelled, or resolved)."""
+        if type(w) is Ticket:
+            if w.done():
+                return
+            w.resolved = True
+            self.by_listener.setdefault(w.listener, []).append((w, value, exc))
+        elif not w.done() and w.set_running_or_notify_cancel():
+            if exc is not None:
+                w.set_exception(exc)
+            else:
+                w.set_result(value)
 
     def flush(self) -> None:
         """Call each listener once with its results (engine thread)."""

@@ -162,13 +162,6 @@ class EngineDriver:
         core = self.core
         return None if core is None else core.sink
 
-    @property
-    def prefix_cache(self) -> dict[str, int]:
-        """Prompt tokens looked up in vLLM's prefix cache (``queries``) and found (``hits``);
-        zero unless the engine was built with ``disable_log_stats=False``."""
-        loop = self._loop
-        return {"queries": 0, "hits": 0} if loop is None else dict(loop._prefix_cache)
-
     def _post(self, message: Message) -> None:
         if self._closed:
             raise RuntimeError("the engine has been shut down (cleanup() was called)")

@@ -304,12 +304,10 @@ class StepLoop:
                 self._end_job(job, value=row)
 
     def _end_job_shared(self, job: Job, row: torch.Tensor) -> None:
-        waiters = job.waiters
-        live = [w for w in waiters if not w.done()]
+        """Resolve a job several waiters share, each with a tensor of its own."""
+        live = [w for w in job.waiters if not w.done()]
         for i, w in enumerate(live):
-            job.waiters = [w]
-            self._outbox.resolve(job, row if i == 0 else row.clone())
-        job.waiters = waiters
+            self._outbox.resolve_waiter(w, row if i == 0 else row.clone())
         self._end_job(job)  # bookkeeping; every waiter is resolved already
 
     def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
