@@ -54,9 +54,15 @@ async def smc(lm: Any, prompt: list[int], n: int, steps: int) -> None:
         parts = [p + [3 + (i + t) % 500] for i, p in enumerate(parts)]
 
 
-def measure(width: int, n: int, steps: int, prompt_len: int, reps: int, cache: bool) -> dict[str, Any]:
+def measure(width: int, n: int, steps: int, prompt_len: int, reps: int, cache: bool,
+            tune_allocator: bool = True) -> dict[str, Any]:
     from genlm_vlm import AsyncVirtualLM
     from genlm_vlm.engine import EngineDriver
+
+    if tune_allocator:  # as building a CPU engine does (genlm_vlm.engine.options.tune_cpu_allocator)
+        from genlm_vlm.engine.options import tune_cpu_allocator
+
+        tune_cpu_allocator()
 
     core = CheapCore(width, max_num_seqs=max(256, n))
     driver = EngineDriver("fake", core_factory=lambda: core)
@@ -82,7 +88,7 @@ def measure(width: int, n: int, steps: int, prompt_len: int, reps: int, cache: b
     t0, t1 = before["engine_time"], after["engine_time"]
     per = {k[:-2]: (t1[k] - t0[k]) / rows * 1e6 for k in t1}
     return {
-        "width": width, "n": n, "steps": steps, "prompt_len": prompt_len, "cache": cache,
+        "width": width, "n": n, "steps": steps, "prompt_len": prompt_len, "cache": cache, "tuned": tune_allocator,
         "wall_us_per_row": round(statistics.median(times) / (n * steps) * 1e6, 1),
         "cpu_us_per_row": round(cpu / rows * 1e6, 1),
         "engine_thread_host_us": round(per["host"], 1),
@@ -112,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cache", action="store_true", help="keep the output cache on (rows are then copied)")
+    ap.add_argument("--glibc-defaults", action="store_true",
+                    help="leave glibc's allocator as it is (the engine build tunes it on CPU)")
     ap.add_argument("--out", default=str(_HERE / "results" / "host.json"))
     args = ap.parse_args(argv)
     results = []
     for width in args.width:
         for n in args.n:
-            cell = measure(width, n, args.steps, args.prompt_len, args.reps, args.cache)
+            cell = measure(width, n, args.steps, args.prompt_len, args.reps, args.cache, not args.glibc_defaults)
             cell["capture_us_per_row"] = capture_cost(width)
             results.append(cell)
             print(json.dumps(cell), flush=True)

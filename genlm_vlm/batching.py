@@ -408,7 +408,8 @@ class AutoBatcher(Generic[R, V]):
         if exc is not None:
             self._resolve_exc(entry, exc)
             return
-        cached = self.cache is not None and entry.cache_key is not None
+        # A cache that stores nothing (``cache_size=0``) keeps no reference: no copy for it.
+        cached = self.cache is not None and entry.cache_key is not None and getattr(self.cache, "enabled", True)
         if cached:
             try:
                 self.cache.put(entry.cache_key, value)  # type: ignore[union-attr]

@@ -113,8 +113,8 @@ class OutputCache:
     # ------------------------------------------------------------ properties
     @property
     def enabled(self) -> bool:
-        """False when the cache was built with ``max_entries=0``."""
-        return self._max_entries != 0
+        """False when the cache can store nothing (``max_entries=0`` or ``max_bytes=0``)."""
+        return self._max_entries != 0 and self._max_bytes != 0
 
     @property
     def max_entries(self) -> int | None:

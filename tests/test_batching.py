@@ -538,6 +538,11 @@ async def test_bursts_copy_only_what_is_shared():
     got = await one(task)
     assert got is not value and torch.equal(got, value)
     assert cached.cache.get("k") is value  # the cache keeps the engine's tensor, callers get copies
+    off = AutoBatcher(BurstStart(), bursts=True, deliver=torch.Tensor.clone, cache=OutputCache(0))
+    task = asyncio.ensure_future(off.submit("k"))
+    await off._start.wait_calls(1)
+    off._start.report(0, {"k": value})
+    assert await one(task) is value  # a cache that stores nothing needs no copy
 
 
 async def test_bursts_failures_cancellation_and_reset():

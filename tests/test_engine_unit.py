@@ -50,3 +50,26 @@ def test_unusable_v2_flag_is_dropped_without_triton(monkeypatch, caplog, recwarn
     import os
 
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_cpu_allocator_tuning_runs_once_and_yields_to_the_user(monkeypatch):
+    import sys
+
+    from genlm_vlm.engine import options
+
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(options, "_tuned", None)
+    monkeypatch.setenv("GENLM_VLM_MALLOPT", "0")
+    assert options.tune_cpu_allocator() is False  # opted out
+    monkeypatch.setattr(options, "_tuned", None)
+    monkeypatch.delenv("GENLM_VLM_MALLOPT")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert options.tune_cpu_allocator() is False  # the user's own malloc settings win
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setattr(options, "_tuned", None)
+    tuned = options.tune_cpu_allocator()
+    if sys.platform == "linux":  # glibc accepts every value of CPU_MALLOPT
+        assert tuned is True
+    monkeypatch.setenv("GENLM_VLM_MALLOPT", "0")
+    assert options.tune_cpu_allocator() is tuned  # decided once per process

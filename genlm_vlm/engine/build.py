@@ -27,6 +27,7 @@ from .options import (
     check_option_names,
     cpu_thread_binding,
     model_kv_cache_bytes,
+    tune_cpu_allocator,
     vllm_option_names,
 )
 
@@ -209,6 +210,7 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEng
         # varying token counts fill it, so memory grew ~270 MB over a soak. 128 entries kept it
         # flat for ~4 % of step time (benchmarks/bench_soak.py). Read once, at the first kernel.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+        tune_cpu_allocator()  # rows stop page-faulting on large vocabularies (see its docstring)
         if "kv_cache_memory_bytes" not in opts and "gpu_memory_utilization" not in opts:
             kv_bytes = model_kv_cache_bytes(model, {**merged, **opts}, CPU_ENGINE_OPTS["gpu_memory_utilization"])
             if kv_bytes is not None:

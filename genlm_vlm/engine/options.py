@@ -231,3 +231,46 @@ def model_kv_cache_bytes(model: str, opts: dict[str, Any], cap_fraction: float) 
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
         return None
     return want if want <= cap_fraction * total else None
+
+
+# ------------------------------------------------------------------------------ the CPU allocator
+#: glibc ``mallopt`` settings genlm_vlm applies in a process that hosts a CPU engine (see
+#: :func:`tune_cpu_allocator`): parameter number -> value.
+CPU_MALLOPT = {
+    -3: 32 << 20,  # M_MMAP_THRESHOLD: rows (up to 600 KB at 152k columns) come from the heap
+    -1: 512 << 20,  # M_TRIM_THRESHOLD: keep up to 512 MiB of freed heap instead of unmapping it
+    -2: 64 << 20,  # M_TOP_PAD: grow the heap in 64 MiB steps
+}
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+_tuned: bool | None = None
+
+
+def tune_cpu_allocator() -> bool:
+    """Make glibc keep freed row memory instead of handing it back to the kernel (once per process).
+
+    Every row is a fresh tensor (600 KB at 151,936 columns); with glibc's defaults each step's rows
+    are unmapped when freed and faulted in again at the next step, which cost more than the rest
+    of genlm_vlm's host work per row (benchmarks/bench_host.py). Applied through ``mallopt`` with
+    :data:`CPU_MALLOPT`: freed memory up to ``M_TRIM_THRESHOLD`` per heap stays with the process.
+    Skipped (False) when the C library is not glibc, when the user set any ``MALLOC_*`` variable
+    of :data:`_MALLOC_ENV` (theirs wins), or with ``GENLM_VLM_MALLOPT=0``.
+    """
+    global _tuned
+    if _tuned is not None:
+        return _tuned
+    _tuned = False
+    if os.environ.get("GENLM_VLM_MALLOPT", "1") == "0" or any(k in os.environ for k in _MALLOC_ENV):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    ok = all(mallopt(param, value) == 1 for param, value in CPU_MALLOPT.items())
+    if not ok:
+        logger.info("glibc refused genlm_vlm's mallopt settings; rows may page-fault on large vocabularies")
+    _tuned = ok
+    return ok
