@@ -8,7 +8,7 @@ Pure Python; not thread-safe (each caller uses its own tables).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 if TYPE_CHECKING:
@@ -16,7 +16,42 @@ if TYPE_CHECKING:
 
 V = TypeVar("V")
 
-__all__ = ["KeyPlan", "lookup"]
+__all__ = ["KeyPlan", "TokensKey", "lookup"]
+
+
+class TokensKey:
+    """``(adapter id, token ids)`` as a dict key whose hash is computed once.
+
+    A query's key goes through several dicts on its way (planned and in-flight work, the output
+    cache, the engine's jobs and session index); a plain ``(adapter, ids)`` tuple hashes all of
+    its ids again at every one of them. This key equals, hashes like and unpacks like that tuple,
+    so tables keyed by either form answer both.
+    """
+
+    __slots__ = ("_hash", "adapter", "ids")
+
+    def __init__(self, adapter: int, ids: tuple[int, ...]) -> None:
+        self.adapter = adapter
+        self.ids = ids
+        self._hash = hash((adapter, ids))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is TokensKey:
+            return self._hash == other._hash and self.adapter == other.adapter and self.ids == other.ids
+        if isinstance(other, tuple):
+            return other == (self.adapter, self.ids)
+        return NotImplemented
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.adapter, self.ids))
+
+    def __repr__(self) -> str:
+        return f"TokensKey({self.adapter}, <{len(self.ids)} ids>)"
 
 
 def lookup(

@@ -14,7 +14,7 @@ import asyncio
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
@@ -28,6 +28,7 @@ from .base import (
     check_seed,
     check_timeout,
 )
+from .dedup import TokensKey
 from .lora import Adapter, LoraRegistry
 
 if TYPE_CHECKING:
@@ -42,16 +43,18 @@ class Query:
 
     ids: tuple[int, ...]
     adapter: Adapter | None
+    key: TokensKey = field(init=False, repr=False, compare=False)
+    """Cache and dedup key ``(akey, ids)``, hashed once (:class:`~genlm_vlm.dedup.TokensKey`):
+    equal keys have equal rows."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", TokensKey(self.akey, self.ids))
 
     @property
     def akey(self) -> int:
         """The adapter's never-reused id (0: the base model)."""
         return 0 if self.adapter is None else self.adapter.int_id
 
-    @property
-    def key(self) -> tuple[int, tuple[int, ...]]:
-        """Cache and dedup key ``(akey, ids)``: equal keys have equal rows."""
-        return (self.akey, self.ids)
 
     @property
     def lora_name(self) -> str | None:

@@ -353,3 +353,34 @@ def test_a_part_whose_requests_all_fail_does_not_stall_the_rest():
         assert all(isinstance(e, ValueError) for e in outcomes[:8]) and outcomes[8:] == [None] * 8
     finally:
         driver.shutdown()
+
+
+class CountingIds(tuple):
+    """Token ids that count how often they are hashed."""
+
+    hashes = 0
+
+    def __hash__(self):
+        type(self).hashes += 1
+        return tuple.__hash__(self)
+
+
+def test_a_query_s_ids_are_hashed_once_on_the_engine_side(driver_core):
+    """The jobs table, the session lookup, claim and park reuse one key per query."""
+    driver, core = driver_core
+    CountingIds.hashes = 0
+    rows(driver, CountingIds((1, 2, 3)))
+    rows(driver, CountingIds((1, 2, 3, 4)))  # continues the first query's session
+    assert driver.stats()["sessions"]["continued"] == 1
+    assert CountingIds.hashes == 2
+
+
+def test_tokens_keys_equal_hash_and_unpack_like_tuples():
+    from genlm_vlm.dedup import TokensKey
+
+    k = TokensKey(0, (1, 2, 3))
+    assert k == (0, (1, 2, 3)) and (0, (1, 2, 3)) == k and hash(k) == hash((0, (1, 2, 3)))
+    assert k == TokensKey(0, (1, 2, 3)) and k != TokensKey(1, (1, 2, 3)) and k != (0, (1, 2))
+    assert {(0, (1, 2, 3)): "t"}[k] == "t" and {k: "k"}[(0, (1, 2, 3))] == "k"
+    adapter, ids = k
+    assert (adapter, ids) == (0, (1, 2, 3))

@@ -97,6 +97,8 @@ class Job:
     adapter: int = 0
     spec: SampleSpec | None = None
     # --- engine thread only, from admission on ---
+    key: Any = None
+    """``TokensKey(adapter, ids)`` of a ``"logprobs"`` job, set at admission (hashed once)."""
     rid: str | None = None
     tag: str | None = None
     session: Any = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from ..dedup import TokensKey
+
 Tokens = tuple[int, ...]
 
 
@@ -25,6 +27,8 @@ class Session:
     """Every token fed to the session so far (its KV is computed up to the last one)."""
     chunks: int = 0
     """Chunks sent after the first request (used to make each chunk's capture tag unique)."""
+    key: TokensKey | None = None
+    """Its index key ``(adapter, tokens)`` while it is idle."""
 
 
 @dataclass
@@ -49,7 +53,7 @@ class SessionTable:
     idle: OrderedDict[str, Session] = field(default_factory=OrderedDict)
     live: dict[str, Session] = field(default_factory=dict)
     counters: SessionCounters = field(default_factory=SessionCounters)
-    _index: dict[tuple[int, Tokens], Session] = field(default_factory=dict)
+    _index: dict[TokensKey, Session] = field(default_factory=dict)
     _lengths: dict[int, Counter[int]] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- lookup
@@ -60,7 +64,7 @@ class SessionTable:
             return None
         n = len(ids)
         if n - 1 in lengths:  # the SMC case: one new token
-            s = self._index.get((adapter, ids[:-1]))
+            s = self._index.get(TokensKey(adapter, ids[:-1]))
             if s is not None:
                 return s
         for length in sorted(lengths, reverse=True):
@@ -91,13 +95,16 @@ class SessionTable:
         s.tokens = s.tokens + tokens
         s.chunks += 1
 
-    def park(self, rid: str) -> Session | None:
+    def park(self, rid: str, key: TokensKey | None = None) -> Session | None:
         """Live -> idle (most recently used). Returns an older idle session with the same tokens,
-        which the caller should evict (it is no longer reachable through the index)."""
+        which the caller should evict (it is no longer reachable through the index). ``key``:
+        the query's key when the session's tokens are that query's ids (saves hashing them)."""
         s = self.live.pop(rid, None)
         if s is None:
             return None
-        key = (s.adapter, s.tokens)
+        if key is None or key.ids is not s.tokens or key.adapter != s.adapter:
+            key = TokensKey(s.adapter, s.tokens)
+        s.key = key
         old = self._index.get(key)
         if old is not None:
             self._unindex(old)
@@ -122,7 +129,8 @@ class SessionTable:
     def _unindex(self, s: Session) -> None:
         if self.idle.pop(s.rid, None) is None:
             return
-        key = (s.adapter, s.tokens)
+        key = s.key if s.key is not None else TokensKey(s.adapter, s.tokens)
+        s.key = None
         if self._index.get(key) is s:
             del self._index[key]
         lengths = self._lengths[s.adapter]

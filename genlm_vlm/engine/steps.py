@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..dedup import TokensKey
 from .build import ModelInfo
 from .core import EngineCore, StepResult
 from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
@@ -83,7 +84,7 @@ class StepLoop:
         self._table = SessionTable()
         self._queue: deque[Job] = deque()  # admitted in order by _admit()
         self._by_rid: dict[str, Job] = {}
-        self._by_key: dict[tuple[int, Tokens], Job] = {}
+        self._by_key: dict[TokensKey, Job] = {}
         self._outbox = Outbox()
         self._stalls = 0
         self._counts = {"engine_calls": 0, "engine_steps": 0, "engine_requests": 0, "rows": 0}
@@ -147,7 +148,7 @@ class StepLoop:
     # ---------------------------------------------------------------- admission
     def _admit(self) -> None:
         """Turn queued jobs into engine requests, in order."""
-        claimed: set[tuple[int, Tokens]] = set()
+        claimed: set[Any] = set()  # TokensKey / (adapter, tokens): equal and hash alike
         claimed_lengths: set[int] = set()
         queue = self._queue
         by_key = self._by_key
@@ -163,7 +164,7 @@ class StepLoop:
                     return  # wait until the other kind has left the engine
             queue.popleft()
             if job.kind == "logprobs":
-                key = (job.adapter, job.ids)
+                key = job.key = TokensKey(job.adapter, job.ids)
                 twin = by_key.get(key)
                 if twin is not None:
                     twin.waiters.extend(job.waiters)
@@ -178,7 +179,7 @@ class StepLoop:
             else:
                 self._start_rows(job, job.ids, claimed, claimed_lengths)
 
-    def _start_rows(self, job: Job, ids: Tokens, claimed: set[tuple[int, Tokens]], claimed_lengths: set[int]) -> None:
+    def _start_rows(self, job: Job, ids: Tokens, claimed: set[Any], claimed_lengths: set[int]) -> None:
         """Send a request whose last row is wanted: a session chunk, a new session or a plain
         request. ``claimed``: sessions continued in this admission round (for fork counting)."""
         table = self._table
@@ -189,7 +190,7 @@ class StepLoop:
             table.extend(session, chunk)
             rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
         elif resumable and (session := table.find(job.adapter, ids)) is not None:
-            claimed.add((job.adapter, session.tokens))
+            claimed.add(session.key or (job.adapter, session.tokens))  # its index key, hashed once
             claimed_lengths.add(len(session.tokens))
             chunk = table.claim(session, ids)
             table.counters.continued += 1
@@ -357,7 +358,7 @@ class StepLoop:
         if rid is not None and self._by_rid.get(rid) is job:
             del self._by_rid[rid]
         if job.kind == "logprobs":
-            key = (job.adapter, job.ids)
+            key = job.key if job.key is not None else TokensKey(job.adapter, job.ids)
             if self._by_key.get(key) is job:
                 del self._by_key[key]
         if job.tag is not None and value is None:
@@ -367,7 +368,7 @@ class StepLoop:
             self._abort([rid])
         if session is not None:
             if exc is None and not abort:
-                old = self._table.park(session.rid)
+                old = self._table.park(session.rid, job.key)
                 if old is not None:
                     self._evict(old, indexed=False)
             elif self._table.drop(session.rid) is not None:
