@@ -238,7 +238,8 @@ class AsyncVirtualLM(ServingLM):
     def _start_logprobs(self, queries: list[Query], listener: Any = None, payloads: Any = None) -> list[Any]:
         """Hand queries to the engine loop: one future per query, or with ``listener`` one
         ticket per query whose row comes back through ``listener`` (the async batcher)."""
-        return self._submit([(q.ids, q.adapter) for q in queries], lambda ids, lora: (ids, lora),
+        # Each query's key goes along (hashed once, here), so the engine does not hash the ids again.
+        return self._submit([(q, q.adapter) for q in queries], lambda q, lora: (q.ids, lora, q.key),
                             self._driver.submit_logprobs, listener, payloads)
 
     def _start_samples(self, reqs: list[tuple[SampleArgs, Adapter | None]], listener: Any = None,

@@ -384,3 +384,18 @@ def test_tokens_keys_equal_hash_and_unpack_like_tuples():
     assert {(0, (1, 2, 3)): "t"}[k] == "t" and {k: "k"}[(0, (1, 2, 3))] == "k"
     adapter, ids = k
     assert (adapter, ids) == (0, (1, 2, 3))
+
+
+def test_a_key_sent_with_the_query_spares_the_engine_hashing_it(driver_core):
+    from genlm_vlm.dedup import TokensKey
+
+    driver, core = driver_core
+    first, second = CountingIds((5, 6)), CountingIds((5, 6, 7))
+    keys = [TokensKey(0, first), TokensKey(0, second)]
+    CountingIds.hashes = 0
+    for ids, key in zip((first, second), keys, strict=True):
+        (fut,) = driver.submit_logprobs([(ids, None, key)])
+        assert torch.equal(fut.result(timeout=10), fake_row(tuple(ids), 64))
+    assert CountingIds.hashes == 0
+    (fut,) = driver.submit_logprobs([(CountingIds((5, 6, 7, 8)), None, TokensKey(1, (9,)))])  # a wrong key
+    assert torch.equal(fut.result(timeout=10), fake_row((5, 6, 7, 8), 64))  # is replaced, not trusted

@@ -182,9 +182,11 @@ class EngineDriver:
 
         return on_done
 
-    def submit_logprobs(self, queries: Sequence[tuple[Tokens, Any]], listener: Listener | None = None,
+    def submit_logprobs(self, queries: Sequence[tuple[Any, ...]], listener: Listener | None = None,
                         payloads: Sequence[Any] | None = None) -> list[Any]:
-        """Queue ``(token ids, LoRARequest or None)`` queries as one group.
+        """Queue ``(token ids, LoRARequest or None)`` queries as one group. A query may carry a
+        third item, its :class:`~genlm_vlm.dedup.TokensKey` ``(lora_int_id or 0, ids)``, so the
+        engine does not hash its ids again.
 
         Without ``listener`` each query gets a ``concurrent.futures.Future`` (cancel it to
         abandon the query). With one, each gets a :class:`~.jobs.Ticket` carrying
@@ -194,7 +196,12 @@ class EngineDriver:
         by nobody else: identical queries in flight share one request but each waiter gets
         its own tensor.
         """
-        jobs = [Job("logprobs", ids, lora, []) for ids, lora in queries]
+        jobs = []
+        for query in queries:
+            job = Job("logprobs", query[0], query[1], [])
+            if len(query) > 2:
+                job.key = query[2]  # checked against (adapter, ids) at admission
+            jobs.append(job)
         return self._submit(jobs, listener, payloads)
 
     def submit_samples(self, specs: Sequence[SampleSpec], listener: Listener | None = None,

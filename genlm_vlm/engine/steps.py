@@ -164,7 +164,9 @@ class StepLoop:
                     return  # wait until the other kind has left the engine
             queue.popleft()
             if job.kind == "logprobs":
-                key = job.key = TokensKey(job.adapter, job.ids)
+                key = job.key
+                if key is None or key.adapter != job.adapter or key.ids is not job.ids:
+                    key = job.key = TokensKey(job.adapter, job.ids)
                 twin = by_key.get(key)
                 if twin is not None:
                     twin.waiters.extend(job.waiters)
