@@ -1,6 +1,7 @@
 """Bounded LRU cache for next-token outputs (torch tensors).
 
-The cache maps hashable keys (the library uses ``(adapter_id, tuple(token_ids))``)
+The cache maps hashable keys (the library uses :class:`~genlm_vlm.dedup.TokensKey`, equal to and
+hashing like ``(adapter_id, tuple(token_ids))``)
 to tensors and is bounded both by the number of entries and by the total number
 of bytes held by the stored tensors.  It is built on :class:`cachetools.LRUCache`
 and guarded by a :class:`threading.Lock`, so it may be shared between the asyncio
