@@ -39,6 +39,14 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _owns_its_memory(value: Any) -> bool:
+    """False for a tensor that is a view into a larger one (anything else: True)."""
+    storage = getattr(value, "untyped_storage", None)
+    if storage is None:
+        return True
+    return value.storage_offset() == 0 and storage().nbytes() == value.numel() * value.element_size()
+
+
 @dataclass(eq=False)
 class _Entry:
     """One unit of work handed to ``start``; shared by every awaiter of its key."""
@@ -417,8 +425,10 @@ class AutoBatcher(Generic[R, V]):
                 self._resolve_exc(entry, cache_exc)
                 return
         live = [f for f in entry.waiters if not f.done()]
-        # The value is the engine's fresh object: one awaiter and no cache may keep it as is.
-        entry.exclusive = self._bursts and not cached and len(live) == 1
+        # The value is the engine's fresh object: one awaiter and no cache may keep it as is,
+        # unless it is a view into a larger tensor (rows moved between devices in one batch, or
+        # an accelerator's batched capture), which would keep the whole batch alive.
+        entry.exclusive = self._bursts and not cached and len(live) == 1 and _owns_its_memory(value)
         for f in live:
             f.set_result(value)
 

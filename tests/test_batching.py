@@ -543,6 +543,12 @@ async def test_bursts_copy_only_what_is_shared():
     await off._start.wait_calls(1)
     off._start.report(0, {"k": value})
     assert await one(task) is value  # a cache that stores nothing needs no copy
+    batch = torch.arange(6.0).reshape(2, 3)
+    task = asyncio.ensure_future(off.submit("v"))
+    await off._start.wait_calls(2)
+    off._start.report(1, {"v": batch[1]})
+    got = await one(task)  # a view into a batch would keep the whole batch alive: a compact copy
+    assert torch.equal(got, batch[1]) and got.untyped_storage().nbytes() == 3 * 4
 
 
 async def test_bursts_failures_cancellation_and_reset():
