@@ -35,6 +35,13 @@ class TokensKey:
         self.ids = ids
         self._hash = hash((adapter, ids))
 
+    @classmethod
+    def of(cls, adapter: int, ids: tuple[int, ...], key: TokensKey | None = None) -> TokensKey:
+        """``key`` when it was made for this very ``ids`` object and ``adapter``, else a new key."""
+        if key is not None and key.ids is ids and key.adapter == adapter:
+            return key
+        return cls(adapter, ids)
+
     def __hash__(self) -> int:
         return self._hash
 

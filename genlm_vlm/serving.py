@@ -55,7 +55,6 @@ class Query:
         """The adapter's never-reused id (0: the base model)."""
         return 0 if self.adapter is None else self.adapter.int_id
 
-
     @property
     def lora_name(self) -> str | None:
         return None if self.adapter is None else self.adapter.name

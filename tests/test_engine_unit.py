@@ -57,7 +57,7 @@ def test_cpu_allocator_tuning_runs_once_and_yields_to_the_user(monkeypatch):
 
     from genlm_vlm.engine import options
 
-    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX"):
+    for key in options._MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(options, "_tuned", None)
     monkeypatch.setenv("GENLM_VLM_MALLOPT", "0")

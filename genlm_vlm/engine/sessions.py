@@ -102,9 +102,7 @@ class SessionTable:
         s = self.live.pop(rid, None)
         if s is None:
             return None
-        if key is None or key.ids is not s.tokens or key.adapter != s.adapter:
-            key = TokensKey(s.adapter, s.tokens)
-        s.key = key
+        key = s.key = TokensKey.of(s.adapter, s.tokens, key)
         old = self._index.get(key)
         if old is not None:
             self._unindex(old)

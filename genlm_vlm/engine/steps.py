@@ -164,9 +164,7 @@ class StepLoop:
                     return  # wait until the other kind has left the engine
             queue.popleft()
             if job.kind == "logprobs":
-                key = job.key
-                if key is None or key.adapter != job.adapter or key.ids is not job.ids:
-                    key = job.key = TokensKey(job.adapter, job.ids)
+                key = job.key = TokensKey.of(job.adapter, job.ids, job.key)
                 twin = by_key.get(key)
                 if twin is not None:
                     twin.waiters.extend(job.waiters)
@@ -360,7 +358,7 @@ class StepLoop:
         if rid is not None and self._by_rid.get(rid) is job:
             del self._by_rid[rid]
         if job.kind == "logprobs":
-            key = job.key if job.key is not None else TokensKey(job.adapter, job.ids)
+            key = TokensKey.of(job.adapter, job.ids, job.key)
             if self._by_key.get(key) is job:
                 del self._by_key[key]
         if job.tag is not None and value is None:
