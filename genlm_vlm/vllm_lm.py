@@ -37,7 +37,7 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryEr
 
 
 #: Keyword arguments of :meth:`AsyncVirtualLM.from_name` itself (the rest go to ``__init__``).
-_FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "max_sessions", "delivery_parts")
+_FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "forks", "max_sessions", "delivery_parts")
 
 
 def _check_chunk_sizes(chunk_size: int, min_chunk_size: int) -> None:
@@ -120,6 +120,7 @@ class AsyncVirtualLM(ServingLM):
         *,
         output_device: str | torch.device = "cpu",
         sessions: bool = True,
+        forks: bool = True,
         max_sessions: int | None = None,
         delivery_parts: int = 1,
         **kwargs: Any,
@@ -131,8 +132,13 @@ class AsyncVirtualLM(ServingLM):
         and, on the CPU build, ``enforce_eager=True``, ``gpu_memory_utilization=0.3`` and
         ``block_size=32``. ``sessions`` (default True) keeps each query's request alive so a
         later query that extends it costs only its new tokens (vLLM >= 0.32; older versions use
-        plain requests, see ``engine_info.mode``). ``max_sessions`` caps idle sessions (default
-        vLLM's ``max_num_seqs``). ``delivery_parts`` (default 1) spreads a group of awaited
+        plain requests, see ``engine_info.mode``). ``forks`` (default True): when a query extends
+        what another session had computed before it was continued (the siblings of a resampled
+        SMC particle), its new session shares that session's KV cache, unfinished block
+        included, so it computes only its new token (vLLM's copy-on-write of a block, reached
+        through genlm_vlm's scheduler class; see ``stats["forks"]``); False, or where it cannot
+        apply, the fork re-prefills the parent's unfinished block. ``max_sessions`` caps idle
+        sessions (default vLLM's ``max_num_seqs``). ``delivery_parts`` (default 1) spreads a group of awaited
         queries over that many engine steps, so the program can work on the first part's rows
         while the engine computes the rest (see docs/BENCHMARKS.md for when it pays). Other
         keyword arguments go to :class:`AsyncVirtualLM`
@@ -149,6 +155,7 @@ class AsyncVirtualLM(ServingLM):
             engine_opts,
             output_device=output_device,
             sessions=sessions,
+            forks=forks,
             max_sessions=max_sessions,
             parts=delivery_parts,
         )

@@ -6,8 +6,9 @@ requests parked after their chunk, so the next ``add_rows`` with the same id con
 and writes a deterministic row for the request's whole token sequence into its sink. Parked sessions hold their slots, as in vLLM: at most ``max_num_seqs`` minus the parked ones
 run in a step. Knobs:
 ``kv`` (what ``kv_usage`` reports), ``stall`` (steps schedule nothing), ``fail_next`` (the next
-step raises it), ``gate`` (a semaphore each step acquires: the test releases steps one by one).
-No vLLM, no sleeps.
+step raises it), ``gate`` (a semaphore each step acquires: the test releases steps one by one),
+``forks`` (whether it takes fork markers: a fork whose parent is alive and holds the shared
+tokens reports them as cached, like vLLM's ``prefill_stats``). No vLLM, no sleeps.
 """
 
 from __future__ import annotations
@@ -41,10 +42,17 @@ class FakeSink:
 
 
 @dataclass
+class Prefill:
+    num_cached_tokens: int
+    num_local_cached_tokens: int
+
+
+@dataclass
 class Output:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
+    prefill_stats: Prefill | None = None
 
 
 @dataclass
@@ -56,6 +64,8 @@ class _Running:
     steps_left: int
     sample: int = 0  # tokens still to sample (sample requests)
     out: list[int] = field(default_factory=list)
+    cached: int | None = None  # tokens found cached (new requests only)
+    fork: tuple[str, int] | None = None  # checked when the request first runs
 
 
 class FakeCore:
@@ -68,6 +78,7 @@ class FakeCore:
         max_per_step: int | None = None,
         sessions: bool = True,
         gated: bool = False,
+        forks: bool = False,
     ) -> None:
         self.info = ModelInfo(vocab_size=vocab, max_model_len=max_model_len, runner="fake", max_num_seqs=max_num_seqs,
                               block_size=4, vllm_version="fake")
@@ -77,6 +88,8 @@ class FakeCore:
         self.reports_tokens = False
         self.sessions = (sessions, "fake sessions" if sessions else "fake: no sessions")
         self.split_lora = False
+        self.forks = (forks, "fake forks" if forks else "fake: no forks")
+        self.forked: list[tuple[str, tuple[str, int]]] = []  # (rid, fork marker) of each fork sent
         self.steps_per_request = steps_per_request
         self.row_fn = fake_row  # (tokens, vocab) -> the row for that sequence
         self.max_per_step = max_per_step
@@ -108,12 +121,19 @@ class FakeCore:
         return set(self._parked)
 
     # -- EngineCore
-    def add_rows(self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool) -> None:
+    def add_rows(self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool,
+                 fork: tuple[str, int] | None = None) -> None:
         if rid in self._running:
             raise ValueError(f"request {rid} is already running")
+        if fork is not None and not self.forks[0]:
+            raise TypeError("this fake core takes no fork markers")
+        new = rid not in self._parked
         full = self._parked.pop(rid, ()) + tuple(tokens)
         self.requests.append((rid, tuple(tokens), tag, resumable))
-        self._running[rid] = _Running(rid, full, tag, resumable, self.steps_per_request)
+        if fork is not None:
+            self.forked.append((rid, fork))
+        self._running[rid] = _Running(rid, full, tag, resumable, self.steps_per_request,
+                                      cached=0 if new else None, fork=fork)
         self._notify()
 
     def add_sample(self, rid: str, tokens: list[int], max_tokens: int, temperature: float, eos: tuple[int, ...],
@@ -146,6 +166,14 @@ class FakeCore:
             if not batch:
                 return StepResult([], False)
             for r in batch:
+                if r.fork is not None:  # like vLLM's scheduler: the parent must be there now
+                    parent, shared = r.fork
+                    r.fork = None
+                    held = self._parked.get(parent)
+                    if held is None and parent in self._running:
+                        held = self._running[parent].tokens
+                    if held is not None and held[:shared] == r.tokens[:shared]:
+                        r.cached = shared
                 if r.sample:
                     tok = (sum(r.tokens) + len(r.out)) % self.info.vocab_size
                     r.out.append(tok)
@@ -160,7 +188,8 @@ class FakeCore:
                 if r.steps_left > 0:
                     outputs.append(Output(r.rid, [], None))
                     continue
-                outputs.append(Output(r.rid, [0], "length"))
+                stats = None if r.cached is None else Prefill(r.cached, r.cached)
+                outputs.append(Output(r.rid, [0], "length", stats))
                 del self._running[r.rid]
                 if r.resumable:
                     self._parked[r.rid] = r.tokens

@@ -162,7 +162,7 @@ _build_lock = threading.Lock()
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 128
 
 
-def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEngine:
+def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: bool = True) -> BuiltEngine:
     """Build ``vllm.LLM(model, **opts)`` in this process with the capture processor registered.
 
     ``engine_opts`` are passed through to ``vllm.LLM`` and override :data:`DEFAULT_ENGINE_OPTS`
@@ -172,6 +172,10 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEng
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the capture lives in this process. Before anything
     is loaded: a missing model path or unreachable hub raises ``FileNotFoundError`` (before vLLM
     is imported), an unknown option ``TypeError`` naming the nearest accepted one.
+
+    ``forks``: install :class:`~genlm_vlm.engine.forks.ForkScheduler` as vLLM's
+    ``scheduler_cls`` (unless ``engine_opts`` names a scheduler class of its own), so a forked
+    session shares its parent's partial tail block.
     """
     if engine_opts is not None and not isinstance(engine_opts, Mapping):
         raise TypeError(f"engine_opts must be a dict of vllm.LLM options, got {type(engine_opts).__name__}")
@@ -217,6 +221,7 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEng
                 merged["kv_cache_memory_bytes"] = kv_bytes
                 logger.info("KV cache sized to the model: %.1f MiB", kv_bytes / 2**20)
     merged.update(opts)
+    _choose_scheduler(merged, opts, forks)
 
     from ..capture import GlobalLogprobsCapture, GlobalLogprobsCaptureV2  # subclass vLLM's bases
 
@@ -260,6 +265,27 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None) -> BuiltEng
                 raise
             break
     return BuiltEngine(llm, sink, "v2" if use_v2 else "v1", env.get(RING_ENV), kv_bytes)
+
+
+def _choose_scheduler(merged: dict[str, Any], opts: dict[str, Any], forks: bool) -> None:
+    """Set ``merged["scheduler_cls"]`` to the fork scheduler when forks are wanted and possible;
+    otherwise say once, in the log, why forks re-prefill their parent's tail."""
+    from .forks import ForkScheduler, scheduler_hooks_present
+
+    if not forks:
+        logger.info("forks share no KV tail (forks=False): a fork re-prefills its parent's unfinished block")
+        return
+    if opts.get("scheduler_cls") is not None:
+        logger.info(
+            "forks share no KV tail: engine_opts sets scheduler_cls=%r, so a fork re-prefills its parent's "
+            "unfinished block", opts["scheduler_cls"],
+        )
+        return
+    ok, why = scheduler_hooks_present()
+    if not ok:
+        logger.info("forks share no KV tail on vLLM %s: %s", vllm_version(), why)
+        return
+    merged["scheduler_cls"] = ForkScheduler
 
 
 @contextlib.contextmanager

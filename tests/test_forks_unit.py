@@ -1,0 +1,179 @@
+"""Forks in the step loop, on a fake engine core (no vLLM; seconds).
+
+Which queries are sent as forks and of which parent, how many of the parent's tokens they share,
+that a parent with forks in flight is spared by eviction while it can be, and the ``forks``
+counters. That the engine then shares the parent's tail block, exactly, is test_forks.py's job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fake_core import FakeCore, fake_row
+
+from genlm_vlm.engine import EngineDriver
+
+
+def make(core: FakeCore | None = None, **kwargs) -> tuple[EngineDriver, FakeCore]:
+    core = core or FakeCore(forks=True)
+    driver = EngineDriver("fake", core_factory=lambda: core, **kwargs)
+    return driver, core
+
+
+def rows(driver: EngineDriver, *prompts: tuple[int, ...]) -> list[torch.Tensor]:
+    futs = driver.submit_logprobs([(p, None) for p in prompts])
+    return [f.result(timeout=10) for f in futs]
+
+
+@pytest.fixture
+def driver_core():
+    driver, core = make()
+    yield driver, core
+    driver.shutdown()
+
+
+def test_siblings_fork_the_session_their_first_sibling_continued(driver_core):
+    driver, core = driver_core
+    rows(driver, (1, 2, 3))
+    parent = core.requests[0][0]
+    out = rows(driver, (1, 2, 3, 7), (1, 2, 3, 8), (1, 2, 3, 9), (4, 4))
+    assert [torch.equal(r, fake_row(p, 64)) for r, p in zip(out, [(1, 2, 3, 7), (1, 2, 3, 8), (1, 2, 3, 9), (4, 4)],
+                                                               strict=True)] == [True] * 4
+    # one sibling continues the parent (its chunk is one token), the other two fork it sharing 3 tokens
+    assert [m for _, m in core.forked] == [(parent, 3), (parent, 3)]
+    st = driver.stats()
+    assert (st["sessions"]["continued"], st["sessions"]["forked"], st["sessions"]["opened"]) == (1, 2, 2)
+    f = st["forks"]
+    assert f["enabled"] and (f["copied"], f["aligned"], f["reprefilled"], f["saved_tokens"]) == (2, 0, 0, 6)
+
+
+def test_a_fork_shares_whole_blocks_as_aligned(driver_core):
+    driver, core = driver_core  # the fake's block size is 4
+    rows(driver, (1, 2, 3, 4))
+    rows(driver, (1, 2, 3, 4, 5), (1, 2, 3, 4, 6))
+    f = driver.stats()["forks"]
+    assert (f["copied"], f["aligned"], f["saved_tokens"]) == (0, 1, 0)
+
+
+def test_a_late_sibling_forks_the_parent_after_it_moved_on(driver_core):
+    """The parent was continued in an earlier group and is idle again, further along: a query
+    that extends what it had computed before still forks it."""
+    driver, core = driver_core
+    rows(driver, (1, 2, 3))
+    rows(driver, (1, 2, 3, 7))
+    rows(driver, (1, 2, 3, 7, 8))  # continues again: its base is now (1, 2, 3, 7)
+    rows(driver, (1, 2, 3, 7, 9))
+    parent = core.requests[0][0]
+    assert core.forked[-1][1] == (parent, 4)
+
+
+def test_forks_of_forks(driver_core):
+    driver, core = driver_core
+    rows(driver, (1, 2, 3))
+    rows(driver, (1, 2, 3, 7), (1, 2, 3, 8))
+    child = core.forked[0][0]
+    rows(driver, (1, 2, 3, 8, 5), (1, 2, 3, 8, 6))  # the fork is a parent in turn
+    assert core.forked[-1][1] == (child, 4)
+    f = driver.stats()["forks"]
+    assert (f["copied"], f["aligned"]) == (1, 1)  # 3 shared tokens, then 4 (one whole block)
+
+
+def test_identical_siblings_are_one_request(driver_core):
+    driver, core = driver_core
+    rows(driver, (1, 2, 3))
+    n = len(core.requests)
+    a, b, c = rows(driver, (1, 2, 3, 7), (1, 2, 3, 8), (1, 2, 3, 8))
+    assert len(core.requests) - n == 2 and len(core.forked) == 1
+    assert torch.equal(b, c) and b.data_ptr() != c.data_ptr()
+
+
+def test_forks_never_cross_adapters(driver_core):
+    driver, core = driver_core
+
+    class Lora:
+        def __init__(self, i: int) -> None:
+            self.lora_int_id = i
+
+    a = Lora(1)
+    driver.submit_logprobs([((1, 2, 3), a)])[0].result(timeout=10)
+    futs = driver.submit_logprobs([((1, 2, 3, 7), a), ((1, 2, 3, 8), None), ((1, 2, 3, 9), Lora(2))])
+    [f.result(timeout=10) for f in futs]
+    assert core.forked == []  # (1, 2, 3, 7) continued the adapter's session; the others are new
+    futs = driver.submit_logprobs([((1, 2, 3, 5), a)])
+    futs[0].result(timeout=10)
+    assert len(core.forked) == 1
+
+
+def test_a_released_parent_is_not_forked(driver_core):
+    driver, core = driver_core
+    rows(driver, (1, 2, 3))
+    rows(driver, (1, 2, 3, 7))
+    assert driver.release_sessions() == 1
+    rows(driver, (1, 2, 3, 8))
+    st = driver.stats()
+    assert core.forked == [] and st["sessions"]["forked"] == 0 and core.requests[-1][1] == (1, 2, 3, 8)
+
+
+def test_forks_off_send_no_marker_and_count_the_reprefills():
+    driver, core = make(forks=False)
+    try:
+        rows(driver, (1, 2, 3))
+        rows(driver, (1, 2, 3, 7), (1, 2, 3, 8))
+        st = driver.stats()
+        assert core.forked == [] and st["sessions"]["forked"] == 1
+        assert (st["forks"]["enabled"], st["forks"]["why"]) == (False, "forks=False")
+        assert st["forks"]["reprefilled"] == 1
+    finally:
+        driver.shutdown()
+
+
+def test_a_core_without_forks_says_why():
+    driver, core = make(FakeCore(forks=False))
+    try:
+        rows(driver, (1, 2, 3))
+        rows(driver, (1, 2, 3, 7), (1, 2, 3, 8))
+        st = driver.stats()["forks"]
+        assert not st["enabled"] and "no forks" in st["why"] and st["reprefilled"] == 1
+    finally:
+        driver.shutdown()
+
+
+def test_a_fork_whose_parent_is_gone_is_counted_as_reprefilled():
+    """The parent is gone between the fork's admission and its step (the engine then computes
+    the fork in full): the loop counts what the engine reports."""
+    core = FakeCore(forks=True, gated=True)
+    driver, _ = make(core)
+    try:
+        core.gate.release(2)
+        rows(driver, (1, 2, 3))
+        rows(driver, (1, 2, 3, 7))  # the parent moves on; its base is (1, 2, 3)
+        (fut,) = driver.submit_logprobs([((1, 2, 3, 8), None)])
+        core.wait_for(lambda: len(core.forked) == 1)  # admitted; the step waits at the gate
+        core.abort([core.forked[0][1][0]])  # as if vLLM had lost the parent meanwhile
+        core.gate.release(10)
+        assert torch.equal(fut.result(timeout=10), fake_row((1, 2, 3, 8), 64))
+        f = driver.stats()["forks"]
+        assert (f["copied"], f["reprefilled"]) == (0, 1)
+    finally:
+        driver.shutdown()
+
+
+def test_eviction_spares_a_parent_whose_forks_are_in_flight():
+    """Over the idle cap, the least recently used idle session goes first, unless a fork in
+    flight needs it: then the next one goes. Once the fork is done, the parent may go."""
+    core = FakeCore(forks=True, max_per_step=1)  # one request per step, oldest first
+    driver, _ = make(core, max_sessions=2)
+    try:
+        rows(driver, (1, 2, 3))
+        rows(driver, (1, 2, 3, 7))  # the parent moves on; its base is (1, 2, 3)
+        rows(driver, (5,))
+        parent, other = core.requests[0][0], core.requests[-1][0]
+        # two new sessions, then a fork of the parent (now the least recently used idle
+        # session): as the new ones park, two idle sessions must go while the fork waits
+        futs = driver.submit_logprobs([((6,), None), ((8,), None), ((1, 2, 3, 9), None)])
+        [f.result(timeout=10) for f in futs]
+        new = [rid for rid, *_ in core.requests[-3:-1]]
+        assert core.aborted == [other, new[0], parent]
+        assert driver.stats()["forks"]["copied"] == 1
+    finally:
+        driver.shutdown()
