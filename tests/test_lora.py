@@ -205,3 +205,58 @@ async def test_adapter_removed_while_a_query_is_pending_fails_only_that_query(lo
     results = await asyncio.wait_for(asyncio.gather(doomed, fine, base, return_exceptions=True), 120)
     assert isinstance(results[0], UnknownAdapterError) and "brief" in str(results[0])
     assert all(isinstance(r, torch.Tensor) for r in results[1:])
+
+
+async def test_forks_share_kv_only_under_their_own_adapter(lora_lm, adapters, model_paths):
+    """One context under adapter a, adapter b and the base model; then four siblings of each
+    (one continues its session, three fork it): every fork shares its own adapter's KV tail,
+    never another's, and every row matches HF+peft under its adapter."""
+    lora_lm.clear_cache()
+    rng = random.Random(31)
+    vocab = len(lora_lm.tokenizer)
+    parent = [rng.randrange(3, vocab) for _ in range(45)]
+    names = (None, "a", "b")
+    for name in names:
+        await lora_lm.next_token_logprobs(parent, lora_name=name)
+    before = lora_lm.stats
+    kids = [parent + [t] for t in (5, 6, 7, 8)]
+    rows = {name: await asyncio.gather(*(lora_lm.next_token_logprobs(k, lora_name=name) for k in kids))
+            for name in names}
+    after = lora_lm.stats
+    assert after["forks"]["copied"] - before["forks"]["copied"] == 9
+    assert after["sessions"]["forked"] - before["sessions"]["forked"] == 9
+    for name in names:
+        ref = hf_reference_logprobs(model_paths["llama"], kids,
+                                    lora_path=None if name is None else adapters[name])
+        assert max_abs_diff(rows[name], ref) < 1e-4, name
+
+
+def test_the_scheduler_never_shares_a_tail_across_adapters(lora_lm, adapters, model_paths):
+    """A fork marker that names a parent under another adapter (sent straight to the core, past
+    the step loop's own index): the scheduler refuses it and the row is the fork's adapter's."""
+    driver = lora_lm._driver
+    core = driver.core
+    loras = {name: lora_lm._lora_requests[lora_lm._loras.resolve(name).int_id] for name in ("a", "b")}
+    rng = random.Random(32)
+    parent = [rng.randrange(3, len(lora_lm.tokenizer)) for _ in range(45)]
+
+    def run(rid: str) -> None:
+        for _ in range(50):
+            if any(o.request_id == rid and o.finish_reason is not None for o in core.step().outputs):
+                return
+        raise AssertionError(f"{rid} did not finish in 50 steps")
+
+    def scenario():
+        before = dict(core.work()["fallback_reasons"])
+        core.add_rows("t-a", list(parent), "t-a.0", loras["a"], True)
+        run("t-a")
+        core.add_rows("t-b", parent + [9], "t-b.0", loras["b"], True, ("t-a", 45))
+        run("t-b")
+        row = core.sink.pop("t-b.0")
+        core.abort(["t-a", "t-b"])
+        return before, dict(core.work()["fallback_reasons"]), row
+
+    before, after, row = driver.call(scenario)
+    assert after.get("adapter", 0) - before.get("adapter", 0) == 1
+    ref = hf_reference_logprobs(model_paths["llama"], [parent + [9]], lora_path=adapters["b"])
+    assert max_abs_diff([row], ref) < 1e-4
