@@ -133,13 +133,13 @@ def test_the_scheduler_falls_back_when_the_parent_cannot_be_shared(fresh_lm, mod
         """Step the core until these requests finish (engine thread, no loop jobs in flight)."""
         done, cached = set(), {}
         for _ in range(50):
-            if done >= set(rids):
-                return cached
             for out in core.step().outputs:
                 if out.request_id in rids and out.finish_reason is not None:
                     done.add(out.request_id)
                     if out.prefill_stats is not None:
                         cached[out.request_id] = out.prefill_stats.num_local_cached_tokens
+            if done >= set(rids):
+                return cached
         raise AssertionError(f"{set(rids) - done} did not finish in 50 steps")
 
     def scenario() -> tuple[dict, dict, dict]:
