@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from .core import EngineCore, VLLMCore
+from .eviction import MAX_STALLED_STEPS
 from .jobs import (
     Call,
     Cancel,
@@ -53,7 +54,7 @@ from .jobs import (
     Ticket,
     adapter_key,
 )
-from .steps import DEFAULT_KV_EVICT_THRESHOLD, MAX_STALLED_STEPS, StepLoop
+from .steps import DEFAULT_KV_EVICT_THRESHOLD, StepLoop
 
 logger = logging.getLogger(__name__)
 

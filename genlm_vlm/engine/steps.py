@@ -22,6 +22,7 @@ import torch
 from ..dedup import TokensKey
 from .build import ModelInfo
 from .core import EngineCore, StepResult
+from .eviction import SessionEviction
 from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
 from .sessions import SessionTable
 
@@ -31,14 +32,11 @@ Tokens = tuple[int, ...]
 
 #: Idle sessions are evicted (least recently used first) while KV usage is above this fraction.
 DEFAULT_KV_EVICT_THRESHOLD = 0.9
-#: Consecutive engine steps that schedule nothing, with no idle session left to evict, before
-#: the waiting jobs are failed.
-MAX_STALLED_STEPS = 8
 #: With ``parts > 1``: the fewest queries admitted in one engine step.
 MIN_PART = 8
 
 
-class StepLoop:
+class StepLoop(SessionEviction):
     """The engine thread's state and loop (engine thread only).
 
     Args:
@@ -433,80 +431,6 @@ class StepLoop:
             self.core.abort(rids)
         except Exception:  # noqa: BLE001 - the request may already be gone
             logger.warning("could not abort request(s) %s", rids, exc_info=True)
-
-    # ---------------------------------------------------------------- eviction
-    def _evict(self, session: Any, indexed: bool = True) -> None:
-        if indexed:
-            self._table.drop(session.rid)
-        self._abort([session.rid])
-        self._table.counters.evicted += 1
-
-    def evict_all_idle(self) -> int:
-        n = 0
-        while (s := self._table.lru()) is not None:
-            self._evict(s)
-            n += 1
-        return n
-
-    def remove_lora(self, int_id: int) -> None:
-        for s in [s for s in self._table.idle.values() if s.adapter == int_id]:
-            self._evict(s)
-        self.core.remove_lora(int_id)
-
-    def _unpin(self, rid: str) -> None:
-        n = self._pins[rid] - 1
-        if n > 0:
-            self._pins[rid] = n
-        else:
-            del self._pins[rid]
-
-    def _victim(self, pinned_too: bool) -> Any:
-        """The least recently used idle session that no fork in flight waits for; with
-        ``pinned_too``, else the least recently used one (its forks will re-prefill)."""
-        pins = self._pins
-        idle = self._table.idle
-        if not pins:
-            return next(iter(idle.values()), None)
-        for s in idle.values():
-            if s.rid not in pins:
-                return s
-        return next(iter(idle.values()), None) if pinned_too else None
-
-    def _enforce_caps(self) -> None:
-        table = self._table
-        while table.idle:
-            over_seqs = len(table.idle) + len(self._by_rid) > self._max_num_seqs
-            if not over_seqs and len(table.idle) <= self._max_idle:
-                return
-            victim = self._victim(pinned_too=over_seqs)
-            if victim is None:
-                return
-            self._evict(victim)
-
-    def _evict_for_kv(self) -> None:
-        table = self._table
-        if not table.idle:
-            return
-        core = self.core
-        while table.idle and core.kv_usage() > self._kv_threshold:
-            self._evict(self._victim(pinned_too=True))
-
-    def _on_stall(self) -> None:
-        """A step scheduled nothing although jobs wait: parked sessions hold the slots or the
-        KV blocks (vLLM never preempts them); release them, or give up after a while."""
-        if self.evict_all_idle():
-            self._stalls = 0
-            return
-        self._stalls += 1
-        if self._stalls >= MAX_STALLED_STEPS:
-            self._stalls = 0
-            err = RuntimeError(
-                "vLLM could not schedule the waiting requests (the KV cache is too small for them?): "
-                "raise kv_cache_memory_bytes or gpu_memory_utilization in engine_opts, or send "
-                "shorter prompts"
-            )
-            for job in list(self._by_rid.values()):
-                self._end_job(job, exc=err, abort=True)
 
     # ---------------------------------------------------------------- shutdown
     def stop(self, done: cf.Future, err: BaseException | None = None) -> None:
