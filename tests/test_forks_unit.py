@@ -177,3 +177,149 @@ def test_eviction_spares_a_parent_whose_forks_are_in_flight():
         assert driver.stats()["forks"]["copied"] == 1
     finally:
         driver.shutdown()
+
+
+# ---------------------------------------------------------------- the scheduler override
+class _Block:
+    def __init__(self, i: int) -> None:
+        self.block_id, self.is_null = i, False
+
+
+class _Blocks:
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
+
+
+class _Manager:
+    enable_caching = True
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list] = {}
+
+    def get_blocks(self, rid: str) -> _Blocks:
+        return _Blocks((self.by_request[rid],))
+
+    def create_kv_cache_blocks(self, blocks) -> _Blocks:
+        return _Blocks(blocks)
+
+
+class _Request:
+    def __init__(self, rid, tokens, computed=0, fork=None, lora=None, salt=None) -> None:
+        from types import SimpleNamespace
+
+        self.request_id = rid
+        self.all_token_ids = list(tokens)
+        self.num_tokens = len(tokens)
+        self.num_computed_tokens = computed
+        self.sampling_params = SimpleNamespace(extra_args=None if fork is None else {"genlm_vlm_fork": fork})
+        self.lora_request = lora
+        self.cache_salt = salt
+        self.skip_reading_prefix_cache = False
+        self.finished = False
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+class _FakeVLLMScheduler:
+    """What ForkScheduler uses of vLLM's Scheduler, with 0.33's lookup signature (block size 4)."""
+
+    def __init__(self, hit_blocks: int = 1) -> None:
+        from types import SimpleNamespace
+
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+        self.block_size = 4
+        self.connector = None
+        self.requests: dict[str, _Request] = {}
+        self.kv_cache_manager = _Manager()
+        self.hit_blocks = hit_blocks
+        self.lookups: list = []
+
+    def _get_local_prefix_cache_hit(self, request, max_cache_hit_length=None):
+        self.lookups.append(max_cache_hit_length)
+        blocks = self.kv_cache_manager.by_request.get("parent", [])[: self.hit_blocks]
+        return _Blocks((list(blocks),)), 4 * len(blocks), 0, False
+
+    def schedule(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(total_num_scheduled_tokens=7)
+
+
+@pytest.fixture
+def fork_scheduler():
+    from genlm_vlm.engine.forks import _fork_class
+
+    sched = _fork_class(_FakeVLLMScheduler)()
+    parent = _Request("parent", [1, 2, 3, 4, 5, 6], computed=6)
+    sched.requests["parent"] = parent
+    sched.kv_cache_manager.by_request["parent"] = [_Block(0), _Block(1)]
+    return sched
+
+
+def test_the_fork_scheduler_appends_the_parents_tail_block(fork_scheduler):
+    sched = fork_scheduler
+    assert sched.fork_support[0], sched.fork_support
+    child = _Request("child", [1, 2, 3, 4, 5, 6, 9], fork=("parent", 6))
+    blocks, n, *_ = sched._get_local_prefix_cache_hit(child, 6)  # 0.33 passes max_cache_hit_length
+    assert n == 6 and [b.block_id for b in blocks.blocks[0]] == [0, 1] and sched.lookups == [6]
+    assert sched.fork_counts["copied"] == 1 and sched.fork_counts["saved_tokens"] == 2
+    sched.schedule()
+    assert sched.fork_counts["scheduled_tokens"] == 7
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda s, c: setattr(s.requests["parent"], "finished", True), "parent_gone"),
+        (lambda s, c: s.requests.pop("parent"), "parent_gone"),
+        (lambda s, c: setattr(s.requests["parent"], "num_computed_tokens", 5), "parent_behind"),
+        (lambda s, c: setattr(c, "cache_salt", "x"), "adapter"),
+        (lambda s, c: setattr(c, "all_token_ids", [1, 2, 3, 4, 5, 7, 9]), "tokens"),
+        (lambda s, c: setattr(c, "skip_reading_prefix_cache", True), "no_cache_read"),
+        (lambda s, c: setattr(s, "hit_blocks", 0), "hit_mismatch"),
+        (lambda s, c: setattr(s, "connector", object()), "disabled"),
+    ],
+)
+def test_the_fork_scheduler_keeps_the_ordinary_hit_when_it_cannot_share(fork_scheduler, change, reason):
+    from genlm_vlm.engine.forks import _fork_support
+
+    sched = fork_scheduler
+    child = _Request("child", [1, 2, 3, 4, 5, 6, 9], fork=("parent", 6))
+    change(sched, child)
+    sched.fork_support = _fork_support(sched)
+    ordinary = _FakeVLLMScheduler._get_local_prefix_cache_hit(sched, child)
+    blocks, n, *_ = sched._get_local_prefix_cache_hit(child)  # 0.32's signature
+    assert n == ordinary[1] and len(blocks.blocks[0]) == len(ordinary[0].blocks[0])
+    assert dict(sched.fork_fallbacks) == {reason: 1} and sched.fork_counts["copied"] == 0
+
+
+def test_the_fork_scheduler_leaves_other_requests_alone(fork_scheduler):
+    sched = fork_scheduler
+    plain = _Request("plain", [1, 2, 3, 4, 5, 6, 9])
+    blocks, n, *_ = sched._get_local_prefix_cache_hit(plain)
+    assert n == 4 and not sched.fork_fallbacks and sched.fork_counts["copied"] == 0
+
+
+def test_the_fork_scheduler_refuses_what_it_does_not_support():
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from genlm_vlm.engine.forks import _fork_class
+
+    sched = _fork_class(_FakeVLLMScheduler)()
+    assert sched.fork_support[0]
+    spec = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=8)
+    sched.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    sched._init_forks()
+    assert not sched.fork_support[0] and "SlidingWindowSpec" in sched.fork_support[1]
+    sched.kv_cache_config = SimpleNamespace(kv_cache_groups=[1, 2])
+    sched._init_forks()
+    assert "2 KV cache groups" in sched.fork_support[1]
+    sched.kv_cache_manager.enable_caching = False
+    sched._init_forks()
+    assert "prefix caching is off" in sched.fork_support[1]
