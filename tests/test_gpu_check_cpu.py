@@ -103,13 +103,15 @@ def test_prompt_set(gc_mod):
     prompts = gc_mod.make_prompts(151936, 500)
     assert prompts == gc_mod.make_prompts(151936, 500)
     lens = [len(p) for p in prompts]
-    assert min(lens) == 1 and max(lens) == 500 and 50 <= len(prompts) <= 60
+    assert min(lens) == 1 and max(lens) == 500 and 55 <= len(prompts) <= 65
     assert all(3 <= t < 151936 for p in prompts for t in p)
     uniq = gc_mod.unique_prompts(prompts)
     assert len(uniq) < len(prompts)  # duplicates
     as_set = set(uniq)
     ext = [p for p in uniq if any(p[:k] in as_set for k in range(1, len(p)))]
     assert len(ext) >= 8  # extensions of other prompts
+    siblings = [p for p in uniq if p[:-1] in as_set]
+    assert max(sum(q[:-1] == p[:-1] for q in siblings) for p in siblings) >= 4  # a resample's forks
     small = gc_mod.make_prompts(512, 100)
     assert max(map(len, small)) <= 100 and all(t < 512 for p in small for t in p)
 
@@ -156,6 +158,8 @@ def test_cpu_smoke(tmp_path):
     for r in rows.values():
         assert r["verdict"] == "PASS" and r["engine_runner"] == "v1"
         assert r["max_abs"] < 1e-3 and r["top1_agree"] == 1.0
+    forks = rows["default"]["forks"]
+    assert forks["enabled"] and forks["copied"] >= 3 and forks["reprefilled"] == 0, forks
     # the chunked engine (max_num_batched_tokens=256) really ran many more steps
     assert rows["chunked"]["capture_apply_calls"] > 3 * rows["default"]["capture_apply_calls"]
     bench = [b for b in doc["bench"] if (b["model"], b["runner"]) == ("tiny", "v1")]

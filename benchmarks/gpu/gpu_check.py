@@ -379,6 +379,11 @@ def make_prompts(vocab: int, max_len: int, n_random: int = 36, seed: int = 0) ->
         prompts.append(
             shared + rand(min(n, max_len - len(shared))) if len(shared) < max_len else shared
         )
+    # a resampled particle: a parent whose context ends inside a KV block, and four one-token
+    # siblings (the "forks" path awaits the parent first: one sibling continues its session,
+    # three fork it and share its unfinished block)
+    parent = rand(max(1, min(45, max_len - 1)))
+    prompts += [parent] + [parent + rand(1) for _ in range(4)]
     rng.shuffle(prompts)
     assert all(1 <= len(p) <= max_len for p in prompts)
     return prompts
@@ -518,7 +523,7 @@ async def _gather_rows(lm: Any, prompts: Sequence[Sequence[int]]) -> list[torch.
 def _score_all(
     lm: Any, prompts: list[list[int]], refs: torch.Tensor, fp32_refs: torch.Tensor | None = None
 ) -> dict[str, dict]:
-    """Rows through three paths, each compared with the references (the sync path also with
+    """Rows through four paths, each compared with the references (the sync path also with
     the float32 references, if given)."""
     import asyncio
 
@@ -540,6 +545,22 @@ def _score_all(
     raw = wait_all(lm._driver.submit_logprobs([(tuple(p), None) for p in prompts]))
     rows = torch.stack([r.float().cpu() for r in raw])
     paths["raw_dups"] = compare_rows(rows, refs) | {"s": time.perf_counter() - t1}
+    # forks: the prompts that others extend by one token first, then every prompt at once;
+    # siblings of a parent fork its session (the engine copies its unfinished KV block)
+    lm.clear_cache()
+    t1 = time.perf_counter()
+    as_set = {tuple(p) for p in prompts}
+    parents = [p for p in as_set if any(len(q) == len(p) + 1 and q[:-1] == p for q in as_set)]
+    before = lm.stats["forks"]
+    asyncio.run(_gather_rows(lm, [list(p) for p in parents]))
+    rows = torch.stack(asyncio.run(_gather_rows(lm, prompts)))
+    after = lm.stats["forks"]
+    paths["forks"] = compare_rows(rows, refs) | {
+        "s": time.perf_counter() - t1,
+        "enabled": after["enabled"],
+        "why": after["why"],
+        **{k: after[k] - before[k] for k in ("copied", "aligned", "reprefilled", "saved_tokens")},
+    }
     return paths
 
 
@@ -618,6 +639,7 @@ def child_vllm(spec: dict) -> dict:
                 stats = lm.stats
                 res["engine_calls"] = stats["engine_calls"]
                 res["capture_apply_calls"] = stats["capture_apply_calls"]
+                res["forks"] = {k: v for k, v in paths["forks"].items() if k not in ("max_abs", "mean_abs")}
                 log(
                     f"{dtype} {sched}: max |d| {res['max_abs']:.2e}, mean |d| {res['mean_abs']:.2e}, "
                     f"engine built in {res['build_s']:.0f}s"
@@ -1029,6 +1051,7 @@ class Check:
                     "build_s",
                     "wall_s",
                     "capture_apply_calls",
+                    "forks",
                 ):
                     row[k] = r.get(k)
                 row["vs_fp32"] = ((r.get("paths") or {}).get("sync") or {}).get("vs_fp32")
@@ -1043,6 +1066,10 @@ class Check:
                     reason = f"rows not normalised (|logsumexp| {r['lse_max_abs']:.2g})"
                 elif r["max_abs"] > tol_max:
                     reason = f"max |d| {r['max_abs']:.3g} > {tol_max:g}"
+                elif sched == "default" and (r.get("forks") or {}).get("enabled") and (
+                    r["forks"]["copied"] + r["forks"]["aligned"] < 3
+                ):
+                    reason = f"forks enabled but the siblings did not share their parent's KV ({r['forks']})"
                 elif tol_mean is not None and r["mean_abs"] > tol_mean:
                     reason = f"mean |d| {r['mean_abs']:.3g} > {tol_mean:g}"
                 if reason.startswith(("max |d|", "mean |d|")) and doc["dtype"] == "bfloat16":
@@ -1146,7 +1173,7 @@ class Check:
         L.append("== correctness: genlm_vlm rows vs transformers forward of the same weights ==")
         L.append(
             "(max/mean |d| in nats over every prompt x vocab entry; worst of the sync batch, "
-            "async gather and raw duplicate paths; +cg = --compiled engines; "
+            "async gather, raw duplicate and forks paths; +cg = --compiled engines; "
             "* = earlier invocation)"
         )
         head = (
