@@ -97,11 +97,34 @@ def check_timeout(value: Any) -> float:
     return float(value)
 
 
-def check_seed(seed: Any) -> int | None:
-    """A sampling seed: an int (not a bool) or None; anything else is a ``TypeError``."""
-    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    return None if seed is None else int(seed)
+#: The seeds ``sample`` accepts: those of ``torch.Generator.manual_seed`` (a negative seed ``s``
+#: draws as ``s + 2**64`` does).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+#: ``sample`` treats a temperature below this as 0 (greedy), as vLLM's sampler does.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def check_seed(seed: Any, what: str = "seed") -> int | None:
+    """A sampling seed: None, or an int (not a bool) in :data:`SEED_RANGE`. A wrong type is a
+    ``TypeError``, an int out of range a ``ValueError``; the message names ``what``."""
+    if seed is None:
+        return None
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"{what} must be an int or None, got {type(seed).__name__}")
+    lo, hi = SEED_RANGE
+    if not lo <= seed <= hi:
+        raise ValueError(f"{what} must be in [-2**63, 2**64 - 1] (what torch.Generator accepts), got {seed}")
+    return int(seed)
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (not a bool) that fits one, else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError):
+        return None
 
 
 class SampleArgs(NamedTuple):
@@ -260,9 +283,13 @@ class AsyncLM(ABC):
         if isinstance(eos, numbers.Integral):
             eos = [eos]
         eos_ids = self._check_ids(eos, "eos_token_ids") if len(eos) else ()
-        if not isinstance(temperature, numbers.Real) or temperature < 0 or not np.isfinite(temperature):
+        temp = _as_float(temperature)
+        if temp is None or not 0 <= temp < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        return SampleArgs(ids, max_tokens, eos_ids, float(temperature), check_seed(seed))
+        if temp < GREEDY_TEMPERATURE:
+            temp = 0.0  # greedy: dividing a row by such a temperature overflows
+        what = "seed" if what == "prompt_token_ids" else f"the seed of {what} (seed + index)"
+        return SampleArgs(ids, max_tokens, eos_ids, temp, check_seed(seed, what))
 
     #: The end of the :class:`ContextLimitWarning` message: how to get longer samples.
     _context_limit_hint: ClassVar[str] = (

@@ -27,6 +27,24 @@ class UnknownAdapterError(ValueError):
     """A call named a LoRA adapter that is not registered."""
 
 
+def local_adapter_path(path: str, name: str) -> str:
+    """``path`` (``~`` expanded) as an absolute path that exists, for adapter ``name``.
+
+    Resolved here, on the caller's side, so vLLM never reads a relative path as a hub repository
+    id, and Ray replicas on other nodes get the path the caller meant, not one relative to their
+    own working directory. A missing path raises ``FileNotFoundError`` naming it.
+    """
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(full):
+        given = "" if full == path else f" (given as {path!r}, from the working directory {os.getcwd()!r})"
+        raise FileNotFoundError(
+            f"LoRA adapter {name!r}: no such file or directory: {full!r}{given}; give the folder that "
+            "holds the adapter (adapter_config.json and its weights); download a hub adapter first, "
+            "e.g. with huggingface_hub.snapshot_download"
+        )
+    return full
+
+
 class LoraRegistry:
     """Thread-safe mapping of adapter names to :class:`Adapter` records.
 
@@ -40,13 +58,17 @@ class LoraRegistry:
         self._default: str | None = None
         self._lock = threading.Lock()
 
-    def new(self, name: str, path: str | os.PathLike[str]) -> Adapter:
-        """A fresh record for ``name`` (not yet registered; see :meth:`commit`)."""
+    def new(self, name: str, path: str | os.PathLike[str], local: bool = False) -> Adapter:
+        """A fresh record for ``name`` (not yet registered; see :meth:`commit`). With ``local``
+        (what a model that loads adapters needs) the path is made absolute and must exist
+        (:func:`local_adapter_path`); otherwise it is kept as given."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"lora_name must be a non-empty str, got {name!r}")
         path = os.fspath(path)
         if not isinstance(path, str) or not path:
             raise TypeError(f"lora_path must be a non-empty path, got {path!r}")
+        if local:
+            path = local_adapter_path(path, name)
         with self._lock:
             return Adapter(name=name, int_id=next(self._ids), path=path)
 

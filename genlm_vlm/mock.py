@@ -156,6 +156,7 @@ class MockAsyncLM(ServingLM):
     genlm_backend_class = "MockAsyncLM"
     _context_limit_hint = "Shorten the prompt, or build the mock with a larger max_model_len."
     _cleanup_blocks = False
+    _local_lora_paths = False  # adapters are never read: a path is a name, kept as given
 
     def __init__(
         self,

@@ -13,6 +13,13 @@ engine process creates it after the engine is built (it knows the logit width an
 worker maps it the first time it has a row to write (its path comes in the environment variable
 :data:`RING_ENV`, which the workers inherit when vLLM spawns them).
 
+The file's memory is reserved when it is created (``posix_fallocate``), so a ``/dev/shm`` too
+small for it fails there, with a message naming the size needed, instead of killing a worker
+with SIGBUS in the middle of a run. Its creator holds a shared ``flock`` on it for as long as it
+lives; a ring file nobody holds whose creator's pid is gone (a process killed with ``kill -9``,
+by the out-of-memory killer or by ``ray.kill``) is stale, and :meth:`RowRing.create` removes such
+files first (:func:`remove_stale_rings`).
+
 Ordering: a worker writes during a step, and the engine process reads only after that step's
 output has come back through vLLM's message queue, before it schedules the next step (genlm_vlm
 builds tensor-parallel engines without async scheduling, so no step overlaps another). There
@@ -29,6 +36,10 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
+import fcntl
+import logging
 import mmap
 import os
 import tempfile
@@ -39,6 +50,10 @@ import torch
 
 RING_ENV = "GENLM_VLM_ROW_RING"
 """Environment variable naming the ring file for capture processors in worker processes."""
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "genlm_vlm_rows_"  # then the creator's pid, "_", a random part
 
 _MAGIC = 0x67656E6C6D726F77  # "genlmrow"
 _VERSION = 1
@@ -73,18 +88,88 @@ def ring_dir() -> str:
 
 def new_ring_path() -> str:
     """A fresh file name for a ring (not created)."""
-    return os.path.join(ring_dir(), f"genlm_vlm_rows_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+    return os.path.join(ring_dir(), f"{_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process: it exists
+        return True
+    return True
+
+
+def remove_stale_rings(folder: str | None = None) -> list[str]:
+    """Remove the ring files in ``folder`` (default :func:`ring_dir`) left by processes that
+    died without removing them: files of this user that no live process holds (``flock``) and
+    whose creator's pid (in the name) is gone. Returns the paths removed."""
+    folder = ring_dir() if folder is None else folder
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(_PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        try:
+            pid = int(name[len(_PREFIX):].split("_", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its creator lives
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        logger.warning("removed %d stale genlm_vlm row ring file(s) of dead processes from %s", len(removed), folder)
+    return removed
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Give the ring file its ``size`` bytes of memory now (``ENOSPC``: a clear error)."""
+    folder = os.path.dirname(path)
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: stays sparse
+            return
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        st = os.statvfs(folder)
+        raise OSError(
+            errno.ENOSPC,
+            f"the tensor-parallel row ring needs {size / 2**20:.1f} MiB in {folder}, which has "
+            f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB: "
+            f"enlarge {folder} (e.g. docker run --shm-size=1g) or lower max_num_seqs in engine_opts "
+            "(the ring holds max_num_seqs rows of the model's logit width in float32)",
+        ) from e
 
 
 class RowRing:
     """A mapped ring file; :meth:`create` on the engine side, :meth:`attach` in the worker."""
 
-    def __init__(self, path: str, mm: mmap.mmap, width: int, capacity: int, owner: bool) -> None:
+    def __init__(self, path: str, mm: mmap.mmap, width: int, capacity: int, owner: bool,
+                 lock_fd: int | None = None) -> None:
         self.path = path
         self.width = width
         self.capacity = capacity
         self.owner = owner
         self._mm = mm
+        self._lock_fd = lock_fd  # the owner's open descriptor, holding the file's flock
         tags_off, rows_off, _ = _layout(width, capacity)
         self._tags_off = tags_off
         self.header = memoryview(mm)[: _HEADER * 8].cast("q")
@@ -96,21 +181,34 @@ class RowRing:
     # ------------------------------------------------------------ engine side
     @classmethod
     def create(cls, path: str, width: int, capacity: int) -> RowRing:
-        """Create and map the ring file (``width`` logits per row, ``capacity`` rows per step).
+        """Create and map the ring file (``width`` logits per row, ``capacity`` rows per step),
+        after removing stale ring files (:func:`remove_stale_rings`).
 
-        Memory is committed only as slots are first written (the file is sparse).
+        Its memory is reserved now: too little room in its folder raises ``OSError`` (ENOSPC)
+        naming the size needed. The file is created under a hidden name, locked, then renamed
+        to ``path``, so a ring under its real name is always held by a live process.
         """
         if width <= 0 or capacity <= 0:
             raise ValueError(f"row ring needs a positive width and capacity, got {width} x {capacity}")
+        remove_stale_rings(os.path.dirname(path))
         size = _layout(width, capacity)[2]
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        folder, name = os.path.split(path)
+        hidden = os.path.join(folder, f".{name}.init")
+        fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held until close(), or until this process dies
+            os.rename(hidden, path)
+            _owned.add(path)
+            _reserve(fd, path, size)
             mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
+            for p in (hidden, path):
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+            _owned.discard(path)
             os.close(fd)
-        _owned.add(path)
-        ring = cls(path, mm, width, capacity, owner=True)
+            raise
+        ring = cls(path, mm, width, capacity, owner=True, lock_fd=fd)
         h = ring.header
         h[_W_WIDTH], h[_W_CAP], h[_W_TAGB], h[_W_VERSION] = width, capacity, _TAG_BYTES, _VERSION
         h[_W_MAGIC] = _MAGIC  # last: a worker that maps the file sees a complete header
@@ -167,6 +265,9 @@ class RowRing:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # ------------------------------------------------------------ worker side
     @classmethod

@@ -11,7 +11,9 @@ awaits, scoring, top-k, vocabularies) is :class:`~genlm_vlm.base.AsyncLM`; wrapp
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from .batching import AutoBatcher
 
 __all__ = ["Query", "ServingLM"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +90,16 @@ class ServingLM(AsyncLM):
 
     #: True until a subclass's ``__init__`` has finished, and again after :meth:`cleanup`.
     _closed: bool = True
+    #: :meth:`cleanup`'s progress: None (not begun), "running", "failed" (freeing raised: the
+    #: next cleanup() tries again) or "done".
+    _cleanup_state: str | None = None
     #: Whether :meth:`cleanup` blocks (``async with`` then runs it on a worker thread).
     _cleanup_blocks: ClassVar[bool] = True
+    #: Whether adapter paths are local files that must exist (made absolute on registration).
+    _local_lora_paths: ClassVar[bool] = True
 
     def __init__(self, *, batch_size: int = 256, timeout: float = 0.0) -> None:
+        self._cleanup_lock = threading.RLock()
         self._loras = LoraRegistry()
         self._batch_size = check_batch_size(batch_size)
         self._timeout = check_timeout(timeout)
@@ -144,17 +154,41 @@ class ServingLM(AsyncLM):
             raise ClosedError(f"this {type(self).__name__} was cleaned up; build a new one")
 
     def cleanup(self) -> None:
-        """Release what the model holds. Idempotent.
+        """Release what the model holds. Idempotent, and safe from several threads at once: a
+        concurrent call returns once the first has finished.
 
-        Pending awaiters get :class:`ClosedError`; every later call raises it.
+        Pending awaiters get :class:`ClosedError`; every later call raises it. The model's
+        resources are freed even when its awaiters cannot be told (their event loop is closed:
+        logged as a warning). If freeing itself raises, the error is raised and the next
+        ``cleanup()`` tries again.
         """
-        if self._closed:
+        lock = self.__dict__.get("_cleanup_lock")
+        if lock is None:  # __init__ never got far: nothing to free
             return
-        self._closed = True
+        with lock:
+            state = self._cleanup_state
+            if state in ("done", "running") or (state is None and self._closed):
+                return  # finished; or called again from inside it; or never opened
+            self._closed = True
+            self._cleanup_state = "running"
+            try:
+                if state is None:
+                    self._close_batchers()
+                self._close_impl()
+            except BaseException:
+                self._cleanup_state = "failed"
+                raise
+            self._cleanup_state = "done"
+
+    def _close_batchers(self) -> None:
+        """Resolve every pending awaiter with :class:`ClosedError` (part of :meth:`cleanup`)."""
         err = ClosedError(f"this {type(self).__name__} was cleaned up while the call was pending")
         for batcher in self._batchers():
-            batcher.close(err)
-        self._close_impl()
+            try:
+                batcher.close(err)
+            except Exception as e:  # noqa: BLE001 - e.g. its event loop is closed: nobody waits there
+                logger.warning("cleanup of %s: could not resolve the pending awaiters of %r (%r); "
+                               "freeing the model all the same", type(self).__name__, batcher, e)
 
     def __enter__(self) -> Self:
         return self
@@ -172,7 +206,7 @@ class ServingLM(AsyncLM):
             self.cleanup()
 
     def __del__(self) -> None:
-        if getattr(self, "_closed", True):
+        if getattr(self, "_closed", True) and getattr(self, "_cleanup_state", None) != "failed":
             return
         try:
             self.cleanup()
@@ -334,7 +368,7 @@ class ServingLM(AsyncLM):
         """
         self._check_open()
         self._check_lora_support()
-        adapter = self._loras.new(lora_name, lora_path)
+        adapter = self._loras.new(lora_name, lora_path, local=self._local_lora_paths)
         self._load_adapter(adapter, self._loras.get(lora_name))
         old = self._loras.commit(adapter)
         if old is not None:

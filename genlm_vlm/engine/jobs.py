@@ -39,6 +39,16 @@ class SampleSpec:
     lora: Any = None
 
 
+class EngineDiedError(RuntimeError):
+    """The engine loop stopped after an internal error: the model serves no more calls.
+
+    Raised by every call made after that (the message names the error that stopped it); the
+    calls pending at the time got the same error. Free the model with ``cleanup()`` and build a
+    new one. A :class:`~genlm_vlm.ReplicaPool` replica in this state answers its health ping with
+    this error, so the pool stops routing to it (and replaces it with ``auto_restart``).
+    """
+
+
 def adapter_key(lora: Any) -> int:
     """The int that names ``lora`` (a ``LoRARequest`` or None) in keys: 0 for the base model."""
     return 0 if lora is None else int(lora.lora_int_id)

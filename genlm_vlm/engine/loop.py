@@ -45,6 +45,7 @@ from .eviction import MAX_STALLED_STEPS
 from .jobs import (
     Call,
     Cancel,
+    EngineDiedError,
     Job,
     Listener,
     Message,
@@ -134,7 +135,14 @@ class EngineDriver:
         self._inbox: deque[Message] = deque()
         self._wake = threading.Event()
         self._ready = threading.Event()
+        # ``_closed`` goes True once, under ``_post_lock``, together with the last message the
+        # engine thread reads (a Stop, or nothing after a failure): a message posted under the
+        # lock while it is False is always answered, so no caller waits forever.
+        self._post_lock = threading.Lock()
         self._closed = False
+        self._stop_done: cf.Future | None = None  # the Stop's future, shared by every shutdown()
+        #: The error that stopped the engine loop (published by the engine thread), or None.
+        self.failure: BaseException | None = None
         # --- published: written by the engine thread (during start-up, before _ready), read anywhere ---
         self._start_error: BaseException | None = None
         self.core: EngineCore | None = None
@@ -169,10 +177,29 @@ class EngineDriver:
         core = self.core
         return None if core is None else core.sink
 
-    def _post(self, message: Message) -> None:
+    def _closed_error(self) -> RuntimeError:
+        """The error of a call made once the engine no longer takes work: why it stopped."""
+        failure = self.failure
+        if failure is None:
+            return RuntimeError("the engine has been shut down (cleanup() was called, or the interpreter is exiting)")
+        err = EngineDiedError(
+            f"the genlm_vlm engine stopped after an internal error and serves no more calls: {failure!r}. "
+            "Build a new model (cleanup() frees this one)."
+        )
+        err.__cause__ = failure
+        return err
+
+    def check_alive(self) -> None:
+        """Raise :class:`~.jobs.EngineDiedError` if the engine loop stopped after an error (a
+        shut-down engine raises ``RuntimeError``); return if it takes work."""
         if self._closed:
-            raise RuntimeError("the engine has been shut down (cleanup() was called)")
-        self._inbox.append(message)
+            raise self._closed_error()
+
+    def _post(self, message: Message) -> None:
+        with self._post_lock:
+            if self._closed:
+                raise self._closed_error()
+            self._inbox.append(message)
         self._wake.set()
 
     def _on_future_done(self, job: Job) -> Callable[[cf.Future], None]:
@@ -221,10 +248,9 @@ class EngineDriver:
         """
         jobs = []
         for spec in specs:
-            job = Job("sample" if spec.seed is None else "seeded", spec.ids, spec.lora, [], spec=spec)
-            if spec.seed is not None:
-                job.generator = torch.Generator().manual_seed(spec.seed)
-            jobs.append(job)
+            # a seeded job's generator is made on the engine thread, where a bad seed fails
+            # that job only (see StepLoop._next_seeded)
+            jobs.append(Job("sample" if spec.seed is None else "seeded", spec.ids, spec.lora, [], spec=spec))
         return self._submit(jobs, listener, payloads)
 
     def _submit(self, jobs: list[Job], listener: Listener | None, payloads: Sequence[Any] | None) -> list[Any]:
@@ -293,13 +319,13 @@ class EngineDriver:
     def _core(self) -> EngineCore:
         core = self.core
         if core is None:
-            raise RuntimeError("the engine has been shut down (cleanup() was called)")
+            raise self._closed_error()
         return core
 
     def _steps(self) -> StepLoop:
         loop = self._loop
         if loop is None:
-            raise RuntimeError("the engine has been shut down (cleanup() was called)")
+            raise self._closed_error()
         return loop
 
     # ================================================================ engine thread
@@ -339,23 +365,61 @@ class EngineDriver:
         try:
             self._loop.run()
         except BaseException as e:  # a bug in the loop: nobody may be left waiting
-            logger.exception("the genlm_vlm engine loop failed")
+            self._die(e)
+        finally:
+            self.core = None
+            done = self._stop_done
+            if done is not None and not done.done():  # a shutdown() raced the failure
+                done.set_result(None)
+
+    def _die(self, e: BaseException) -> None:
+        """The loop raised (engine thread): fail everything pending and every later call with
+        an error that names ``e``, and free the engine."""
+        logger.error("the genlm_vlm engine loop failed; the model serves no more calls", exc_info=e)
+        with self._post_lock:  # no message gets in after this: stop() below answers every one
+            self.failure = e
             self._closed = True
-            err = RuntimeError(f"the genlm_vlm engine loop failed: {e!r}")
-            err.__cause__ = e
-            self._loop.stop(cf.Future(), err)
-        self.core = None
+        err = self._closed_error()
+        try:
+            self._steps().stop(cf.Future(), err)
+        except BaseException:  # noqa: BLE001 - the loop's own state is broken: answer what we can
+            logger.exception("could not fail the pending calls cleanly after the engine loop failed")
+            self._fail_inbox(err)
+
+    def _fail_inbox(self, err: BaseException) -> None:
+        """Answer every message still in the inbox with ``err`` (last resort, engine thread)."""
+        while self._inbox:
+            match self._inbox.popleft():
+                case Call(future=fut) if fut.set_running_or_notify_cancel():
+                    fut.set_exception(err)
+                case PostJobs(jobs):
+                    for job in jobs:
+                        for w in job.waiters:
+                            if isinstance(w, cf.Future) and w.set_running_or_notify_cancel():
+                                w.set_exception(err)
+                            elif isinstance(w, Ticket) and not w.done():
+                                w.resolved = True
+                                try:
+                                    w.listener([(w, None, err)])
+                                except Exception:  # noqa: BLE001
+                                    logger.exception("a result listener failed")
+                case Stop(done):
+                    if not done.done():
+                        done.set_result(None)
 
     def shutdown(self) -> None:
-        """Fail pending jobs, free the engine and stop the thread (idempotent)."""
-        if self._closed:
-            return
-        done: cf.Future = cf.Future()
-        self._inbox.append(Stop(done))
-        self._closed = True
+        """Fail pending jobs, free the engine and stop the thread. Idempotent and safe from any
+        thread: concurrent calls all return once the engine is freed."""
+        with self._post_lock:
+            done = self._stop_done
+            if done is None and not self._closed:
+                done = self._stop_done = cf.Future()
+                self._inbox.append(Stop(done))
+                self._closed = True
         self._wake.set()
         if threading.current_thread() is not self._thread:
-            done.result()
+            if done is not None:
+                done.result()
             self._thread.join()
         import gc
 

@@ -24,6 +24,7 @@ from .build import ModelInfo
 from .core import EngineCore, StepResult
 from .eviction import SessionEviction
 from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
+from .sampler import draw_token, seeded_generator
 from .sessions import SessionTable
 
 logger = logging.getLogger(__name__)
@@ -275,49 +276,82 @@ class StepLoop(SessionEviction):
             job = by_rid.get(out.request_id)
             if job is None:
                 continue
-            if job.kind == "sample":
-                job.out.extend(out.new_token_ids)
-                if out.finish_reason is not None:
-                    del by_rid[out.request_id]
-                    toks = job.out
-                    if toks and job.spec is not None and toks[-1] in job.spec.eos:
-                        toks.pop()
-                    self._outbox.resolve(job, toks)
-                continue
-            if out.finish_reason is None:
-                continue
-            prefill = getattr(out, "prefill_stats", None)
-            if prefill is not None:
-                self._tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
-            if job.fork is not None:
-                self._count_fork(job.fork[1], prefill)
-            row = core.sink.pop(job.tag)  # type: ignore[arg-type]
-            if row is None:
-                self._end_job(job, exc=RuntimeError(
-                    f"vLLM {self.info.vllm_version} finished request {job.rid} without the capture seeing "
-                    "its logits; is another logits processor or speculative decoding interfering?"
-                ), abort=True)
-                continue
-            if job.kind == "logprobs":
+            row = self._guarded(job, "routing its output", self._route_one, job, out, core)
+            if row is not None:
                 rows.append((job, row))
-            else:
-                self._next_seeded(job, row)
         if rows:
             self._deliver(rows)
+
+    def _route_one(self, job: Job, out: Any, core: EngineCore) -> torch.Tensor | None:
+        """Handle one output of ``job``; returns its row when a row job finished (the caller
+        delivers the step's rows together)."""
+        if job.kind == "sample":
+            job.out.extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                del self._by_rid[out.request_id]
+                toks = job.out
+                if toks and job.spec is not None and toks[-1] in job.spec.eos:
+                    toks.pop()
+                self._outbox.resolve(job, toks)
+            return None
+        if out.finish_reason is None:
+            return None
+        prefill = getattr(out, "prefill_stats", None)
+        if prefill is not None:
+            self._tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
+        if job.fork is not None:
+            self._count_fork(job.fork[1], prefill)
+        row = core.sink.pop(job.tag)  # type: ignore[arg-type]
+        if row is None:
+            self._end_job(job, exc=RuntimeError(
+                f"vLLM {self.info.vllm_version} finished request {job.rid} without the capture seeing "
+                "its logits; is another logits processor or speculative decoding interfering?"
+            ), abort=True)
+            return None
+        if job.kind == "logprobs":
+            return row
+        self._next_seeded(job, row)
+        return None
+
+    def _guarded(self, job: Job, doing: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; if it raises, fail ``job`` alone (see :meth:`_fail_job`): None."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - this job's error only; the loop goes on
+            self._fail_job(job, e, doing)
+            return None
+
+    def _fail_job(self, job: Job, exc: BaseException, doing: str) -> None:
+        """``job`` raised ``exc`` on the engine thread while ``doing``: fail its waiters only and
+        abort its request. Our own checks (``ValueError``, e.g. a NaN row) reach them as they are."""
+        logger.warning("failing request %s: %s raised %r", job.rid, doing, exc)
+        err = exc
+        if not isinstance(exc, ValueError):
+            err = RuntimeError(f"genlm_vlm failed on the engine thread while {doing} for this call: {exc!r}")
+            err.__cause__ = exc
+        try:
+            self._end_job(job, exc=err, abort=True)
+        except Exception:  # noqa: BLE001 - the bookkeeping failed too: answer the waiters all the same
+            logger.exception("could not end request %s cleanly", job.rid)
+            self._outbox.resolve(job, exc=err)
 
     def _deliver(self, rows: list[tuple[Job, torch.Tensor]]) -> None:
         """Resolve row jobs; every waiter gets a tensor of its own (the sink's tensor goes to
         the first waiter, copies to the others)."""
         device = self.output_device
         if device is not None and rows[0][1].device != device:
-            moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
-            rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
+            try:
+                moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
+                rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
+            except Exception:  # noqa: BLE001 - e.g. out of memory: row by row, a failure fails its job alone
+                each = [(job, self._guarded(job, f"moving its row to {device}", r.to, device)) for job, r in rows]
+                rows = [(job, r) for job, r in each if r is not None]
         self._counts["rows"] += len(rows)
         for job, row in rows:
             if len(job.waiters) > 1:
-                self._end_job_shared(job, row)
+                self._guarded(job, "delivering its row", self._end_job_shared, job, row)
             else:
-                self._end_job(job, value=row)
+                self._guarded(job, "delivering its row", self._end_job, job, row)
 
     def _end_job_shared(self, job: Job, row: torch.Tensor) -> None:
         """Resolve a job several waiters share, each with a tensor of its own."""
@@ -328,13 +362,10 @@ class StepLoop(SessionEviction):
 
     def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
         spec = job.spec
-        assert spec is not None and job.generator is not None
-        row = row.to("cpu", torch.float32)
-        if spec.temperature == 0.0:
-            token = int(torch.argmax(row))
-        else:
-            probs = torch.softmax(row / spec.temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=job.generator))
+        assert spec is not None and spec.seed is not None
+        if job.generator is None:  # made here, so that a seed torch refuses fails this job only
+            job.generator = seeded_generator(spec.seed)
+        token = draw_token(row, spec.temperature, job.generator)
         job.out.append(token)
         total = len(job.ids) + len(job.out)
         if token in spec.eos or len(job.out) >= spec.max_tokens or total >= self.info.max_model_len:

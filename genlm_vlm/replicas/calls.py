@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..base import ClosedError, SampleArgs
+from ..engine.jobs import EngineDiedError
 from ..lora import Adapter
 from . import launch
 from .routing import ReplicaDiedError
@@ -86,24 +87,29 @@ class CallMixin:
             return ClosedError("this ReplicaPool was cleaned up while the call was pending")
         if isinstance(exc, ray.exceptions.TaskCancelledError):
             return asyncio.CancelledError()
-        if isinstance(exc, ray.exceptions.RayActorError):
+        cause = launch.unwrap(ray, exc)
+        engine_died = isinstance(cause, EngineDiedError)
+        if isinstance(exc, ray.exceptions.RayActorError) or engine_died:
+            # an actor whose engine stopped still answers, at once: it must leave routing, or
+            # it would look least loaded and draw every new query
+            what = "'s engine stopped" if engine_died else " of the ReplicaPool died"
             if self._router.mark_dead(replica, gen):
-                logger.warning("genlm_vlm: replica %d died (%s); routing to the others", replica, type(exc).__name__)
+                logger.warning("genlm_vlm: replica %d%s (%s); routing to the others", replica, what, type(cause).__name__)
                 if self._health is not None:
                     self._health.wake()  # restart it now if auto_restart
             live = self._router.live_replicas()
-            detail = str(exc).strip().splitlines()
+            detail = str(cause if engine_died else exc).strip().splitlines()
             then = ("the pool restarts it (auto_restart)" if self.auto_restart  # type: ignore[attr-defined]
                     else f"pool.restart_replica({replica}) starts a fresh one")
             err = ReplicaDiedError(
-                f"replica {replica} of the ReplicaPool died while this call was in flight "
-                f"({type(exc).__name__}: {detail[0] if detail else ''}). The pool goes on with "
-                f"{'replicas ' + str(live) if live else 'no live replica'}; {then}.",
+                f"replica {replica}{what} while this call was in flight "
+                f"({type(cause if engine_died else exc).__name__}: {detail[0] if detail else ''}). The pool "
+                f"goes on with {'replicas ' + str(live) if live else 'no live replica'}; {then}.",
                 replica,
             )
             err.__cause__ = exc
             return err
-        return launch.unwrap(ray, exc)
+        return cause
 
     def _actor_for(self, replica: int, gen: int) -> Any:
         if self._router.generation(replica) != gen:

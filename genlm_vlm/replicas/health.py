@@ -3,8 +3,9 @@
 
 One daemon thread per pool (:class:`HealthChecker`). Every ``interval`` seconds it sends a ping
 (``ReplicaWorker.ping``, answered on the actor's event loop) to each live replica that has no
-ping outstanding. A ping that fails with Ray's actor-died error marks the replica dead, as a
-failed call does (its in-flight calls still fail with
+ping outstanding. A ping that fails with Ray's actor-died error, or with the replica's
+:class:`~genlm_vlm.engine.jobs.EngineDiedError` (its actor lives but its engine stopped), marks
+the replica dead, as a failed call does (its in-flight calls still fail with
 :class:`~.routing.ReplicaDiedError` on their own). A slow ping is never taken for a death: it
 stays outstanding (a warning is logged once when it has waited long). Failed pings and deaths
 seen by calls wake the thread at once, so a dead replica is restarted without waiting for the
@@ -31,6 +32,12 @@ MAX_RETRY_S = 60.0
 #: A ping unanswered for this many intervals (at least :data:`SLOW_PING_MIN_S`) is logged once.
 SLOW_PING_INTERVALS = 10
 SLOW_PING_MIN_S = 30.0
+
+
+def backoff(interval: float, fails: int) -> float:
+    """Seconds to wait before the next restart after ``fails`` failed ones in a row:
+    ``interval * 2**(fails - 1)``, at most :data:`MAX_RETRY_S` (for any number of failures)."""
+    return min(MAX_RETRY_S, interval * 2.0 ** min(max(fails - 1, 0), 64))
 
 
 def check_interval(value: Any) -> float | None:
@@ -173,7 +180,7 @@ class HealthChecker:
         if isinstance(exc, ray.exceptions.ActorUnavailableError):  # may come back: ping again
             logger.warning("genlm_vlm: replica %d is unavailable (%s); pinging it again", i, exc)
             self._error(f"replica {i}: {type(exc).__name__}")
-        elif isinstance(exc, ray.exceptions.RayActorError):
+        elif isinstance(exc, ray.exceptions.RayActorError) or _engine_died(ray, exc):
             if pool._found_dead(i, gen, exc):
                 self.count("deaths_found")
         else:
@@ -214,7 +221,7 @@ class HealthChecker:
                 if self._stop.is_set() or pool._closing.is_set():
                     return
                 fails = self._fails[i] = self._fails.get(i, 0) + 1
-                pause = min(MAX_RETRY_S, self.interval * 2 ** (fails - 1))
+                pause = backoff(self.interval, fails)
                 self._retry_at[i] = time.monotonic() + pause
                 self.count("restart_failures")
                 self._error(f"replica {i}: restart failed: {e!r}")
@@ -227,4 +234,12 @@ class HealthChecker:
                 logger.warning("genlm_vlm: replica %d was restarted by the health check", i)
 
 
-__all__ = ["HealthChecker", "check_interval"]
+def _engine_died(ray: Any, exc: BaseException) -> bool:
+    """Whether a replica's call failed because its engine stopped (its actor still answers)."""
+    from ..engine.jobs import EngineDiedError
+    from .launch import unwrap
+
+    return isinstance(exc, EngineDiedError) or isinstance(unwrap(ray, exc), EngineDiedError)
+
+
+__all__ = ["HealthChecker", "backoff", "check_interval"]

@@ -9,8 +9,11 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
+import shutil
 import sys
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
@@ -28,15 +31,84 @@ from .records import InvalidLine
 from .scorer import _Scorer
 
 
-def read_jsonl(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any] | InvalidLine]]:
-    """``(line number, record)`` for each non-blank line; bad JSON gives :class:`InvalidLine`."""
+def read_jsonl(lines: Iterable[str | bytes]) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` for each non-blank line: ``str``, or ``bytes`` read as UTF-8
+    (a byte-order mark on line 1 is skipped). A line that cannot be read, whatever the reason
+    (not UTF-8, invalid JSON, an integer too long for Python, nesting too deep), gives
+    :class:`InvalidLine` saying why, and the lines after it are read as usual."""
     for n, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
         try:
-            yield n, json.loads(text)
+            if isinstance(text, bytes | bytearray):
+                text = bytes(text).decode("utf-8")
+                if n == 1:
+                    text = text.removeprefix("\ufeff")
+            if not text.strip():
+                continue
+            record = json.loads(text)
+        except UnicodeDecodeError as e:
+            yield n, InvalidLine(f"the line is not valid UTF-8: {e}")
         except json.JSONDecodeError as e:
             yield n, InvalidLine(f"invalid JSON: {e}")
+        except Exception as e:  # noqa: BLE001 - e.g. ValueError (a 5,000-digit int), RecursionError
+            yield n, InvalidLine(f"the line cannot be read as JSON: {type(e).__name__}: {e}")
+        else:
+            yield n, record
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts and lists, at any depth) replaced by
+    the string ``"Infinity"``, ``"-Infinity"`` or ``"NaN"`` (valid JSON; ``float()`` reads them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write_result(dst: IO[str], result: dict[str, Any]) -> None:
+    """One result as one line of valid JSON (non-finite numbers as strings, see :func:`_finite`;
+    text the output cannot encode, e.g. a lone surrogate from a JSON escape, as ``\\u`` escapes)."""
+    try:
+        line = json.dumps(result, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        line = json.dumps(_finite(result), ensure_ascii=False, allow_nan=False)
+    try:
+        dst.write(line + "\n")
+    except UnicodeEncodeError:  # nothing was written: the line is encoded before it is written
+        dst.write(json.dumps(_finite(result), ensure_ascii=True, allow_nan=False) + "\n")
+
+
+@contextlib.contextmanager
+def _output(path: str, stdout: IO[str]) -> Iterator[IO[str]]:
+    """The results' file: ``stdout`` for ``-``; otherwise a temporary file in the output's
+    folder, renamed onto ``path`` (its target, if a link) once everything is written. On an
+    error or an interrupt the temporary file is removed and ``path`` is left as it was."""
+    if path == "-":
+        try:
+            yield stdout
+        finally:
+            stdout.flush()
+        return
+    target = os.path.realpath(path)
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # 0o666 and the umask: the permissions open(path, "w") would give a new file
+    f = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        if os.path.exists(target):
+            shutil.copymode(target, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _count_lines(path: str) -> int | None:
@@ -93,12 +165,30 @@ def _check(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise UsageError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if args.input != "-" and not os.path.isfile(args.input):
         raise UsageError(f"input file not found: {args.input} (give a JSONL file, or - for stdin)")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if args.output != "-" and not os.path.isdir(out_dir):
-        raise UsageError(f"output directory not found: {out_dir} (create it, or give - for stdout)")
+    if args.output != "-":
+        out_dir = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(out_dir):
+            raise UsageError(f"output directory not found: {out_dir} (create it, or give - for stdout)")
+        if os.path.isdir(args.output):
+            raise UsageError(f"the output {args.output} is a directory: give a file name")
+        if args.input != "-" and _same_file(args.input, args.output):
+            raise UsageError(
+                f"the output {args.output} is the input file {args.input}: writing it would destroy "
+                "the input; give another output path"
+            )
     engine_opts = parse_engine_opts(args.engine_opt)
     model = demo_model_path() if args.model is None else resolve_model_arg(args.model)
     return engine_opts, model
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: by name, through links, or the same inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,31 +239,29 @@ def _score_file(
         )
         return None
     n_ok = n_err = 0
-    src: IO[str] = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    dst: IO[str] = stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    # bytes: a line that is not UTF-8 becomes that line's error record (see read_jsonl); a
+    # stdin without bytes (replaced by a text stream) gives str lines
+    src: IO[Any] = getattr(sys.stdin, "buffer", sys.stdin) if args.input == "-" else open(args.input, "rb")
     try:
-        total = None if args.input == "-" else _count_lines(args.input)
-        bar = tqdm(
-            total=total,
-            desc="scoring",
-            unit="record",
-            disable=args.no_progress or args.quiet,
-            file=sys.stderr,
-        )
-        for result in _Scorer(lm, args.top_k, args.chunk_size).score(read_jsonl(src)):
-            dst.write(json.dumps(result, ensure_ascii=False) + "\n")
-            if "error" in result:
-                n_err += 1
-            else:
-                n_ok += 1
-            bar.update(1)
-        bar.close()
+        with _output(args.output, stdout) as dst:
+            total = None if args.input == "-" else _count_lines(args.input)
+            bar = tqdm(
+                total=total,
+                desc="scoring",
+                unit="record",
+                disable=args.no_progress or args.quiet,
+                file=sys.stderr,
+            )
+            for result in _Scorer(lm, args.top_k, args.chunk_size).score(read_jsonl(src)):
+                _write_result(dst, result)
+                if "error" in result:
+                    n_err += 1
+                else:
+                    n_ok += 1
+                bar.update(1)
+            bar.close()
     finally:
-        if src is not sys.stdin:
+        if args.input != "-":
             src.close()
-        if dst is stdout:
-            dst.flush()
-        else:
-            dst.close()
         lm.cleanup()
     return n_ok, n_err
