@@ -14,7 +14,7 @@ Scoring and the shipped model
     small model in the package, loads offline).
 Errors and warnings
     :class:`ClosedError`, :class:`UnknownAdapterError`, :class:`ReplicaDiedError`,
-    :class:`VLLMLayoutError`, :class:`ContextLimitWarning`.
+    :class:`EngineDiedError`, :class:`VLLMLayoutError`, :class:`ContextLimitWarning`.
 vLLM plumbing
     :class:`GlobalLogprobsCapture` (V1 model runner) and :class:`GlobalLogprobsCaptureV2` (Model
     Runner V2), the logits processors that capture the rows.
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .capture import GlobalLogprobsCapture, GlobalLogprobsCaptureV2
     from .control import without_padding
     from .engine.build import VLLMLayoutError
+    from .engine.jobs import EngineDiedError
     from .lora import UnknownAdapterError
     from .mock import MockAsyncLM
     from .replicas import ReplicaDiedError, ReplicaPool
@@ -73,6 +74,7 @@ _LAZY: dict[str, str] = {
     "GlobalLogprobsCaptureV2": ".capture",
     "UnknownAdapterError": ".lora",
     "VLLMLayoutError": ".engine.build",
+    "EngineDiedError": ".engine.jobs",
     "ReplicaPool": ".replicas",
     "ReplicaDiedError": ".replicas",
 }
@@ -82,6 +84,7 @@ __all__ = [
     "AsyncVirtualLM",
     "ClosedError",
     "ContextLimitWarning",
+    "EngineDiedError",
     "GlobalLogprobsCapture",
     "GlobalLogprobsCaptureV2",
     "MockAsyncLM",

@@ -97,7 +97,7 @@ class ReplicaWorker:
 
     async def ping(self) -> bool:
         """The pool's health check: answered on the actor's event loop, touches nothing but a
-        flag. Raises :class:`~genlm_vlm.engine.jobs.EngineDiedError` when the engine loop has
+        flag. Raises :class:`~genlm_vlm.EngineDiedError` when the engine loop has
         stopped after an error, so the pool takes this replica for dead (and replaces it)."""
         driver = getattr(self.lm, "_driver", None)
         if driver is not None and driver.failure is not None:

@@ -4,7 +4,7 @@
 One daemon thread per pool (:class:`HealthChecker`). Every ``interval`` seconds it sends a ping
 (``ReplicaWorker.ping``, answered on the actor's event loop) to each live replica that has no
 ping outstanding. A ping that fails with Ray's actor-died error, or with the replica's
-:class:`~genlm_vlm.engine.jobs.EngineDiedError` (its actor lives but its engine stopped), marks
+:class:`~genlm_vlm.EngineDiedError` (its actor lives but its engine stopped), marks
 the replica dead, as a failed call does (its in-flight calls still fail with
 :class:`~.routing.ReplicaDiedError` on their own). A slow ping is never taken for a death: it
 stays outstanding (a warning is logged once when it has waited long). Failed pings and deaths
