@@ -24,10 +24,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .cache import owns_its_memory
+from .dedup import KeyPlan, lookup
+
 if TYPE_CHECKING:
     from .cache import OutputCache
-
-from .dedup import KeyPlan, lookup
 
 __all__ = ["AutoBatcher", "KeyPlan", "lookup"]
 
@@ -39,14 +40,6 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _owns_its_memory(value: Any) -> bool:
-    """False for a tensor that is a view into a larger one (anything else: True)."""
-    storage = getattr(value, "untyped_storage", None)
-    if storage is None:
-        return True
-    return value.storage_offset() == 0 and storage().nbytes() == value.numel() * value.element_size()
-
-
 @dataclass(eq=False)
 class _Entry:
     """One unit of work handed to ``start``; shared by every awaiter of its key."""
@@ -56,7 +49,8 @@ class _Entry:
     request: Any
     waiters: set[asyncio.Future] = field(default_factory=set)
     handle: Any = None  # the engine's future or ticket, once dispatched (has .cancel())
-    exclusive: bool = False  # the value went to one awaiter and nowhere else: no copy needed
+    owner: asyncio.Future | None = None  # the awaiter that takes the value itself (no copy)
+    asks: int = 1  # submits that wanted this computation (joins included): the cache's admission
 
     def live(self) -> bool:
         """True if at least one awaiter still wants the result."""
@@ -120,9 +114,13 @@ class AutoBatcher(Generic[R, V]):
         timeout: Seconds to wait for stragglers after the first request of an idle period
             (``0`` = flush at the next event-loop pass).
         cache: Optional :class:`~genlm_vlm.cache.OutputCache`; keys are looked up on submit
-            and computed values are stored.
-        deliver: Applied to the value once per awaiter (cache hits included), in the
-            awaiter's own task; e.g. ``torch.Tensor.clone``.
+            and computed values are offered to it (:meth:`~genlm_vlm.cache.OutputCache.offer`:
+            kept once a key has been asked for twice, by joined submits or over time). A value
+            the cache did not keep goes to one awaiter as is (in burst mode, unless it is a view
+            into a larger tensor).
+        deliver: Applied to the value once per awaiter (cache hits included; not for the one
+            awaiter that takes a value nobody else keeps), in the awaiter's own task; e.g.
+            ``torch.Tensor.clone``.
         dedupe: If true, requests with equal keys pending or in flight together share one
             computation. If false, every submit is its own entry (e.g. for sampling); an
             explicit ``key`` is then used for the cache only.
@@ -240,6 +238,7 @@ class AutoBatcher(Generic[R, V]):
         if how == "joined":
             self._counts["dedup_joins"] += 1
             entry = found
+            entry.asks += 1
             entry.waiters.add(fut)
         else:
             entry = _Entry(key=key if self.dedupe else object(), cache_key=key,
@@ -249,8 +248,9 @@ class AutoBatcher(Generic[R, V]):
         try:
             value = await fut
         finally:
+            own = fut is entry.owner
             self._release(entry, fut)
-        return value if entry.exclusive else self._deliver(value)
+        return value if own else self._deliver(value)
 
     def _release(self, entry: _Entry, fut: asyncio.Future) -> None:
         """Detach a finished (or abandoned) awaiter; drop the entry once nobody waits for it."""
@@ -259,6 +259,8 @@ class AutoBatcher(Generic[R, V]):
         elif not fut.cancelled():
             fut.exception()  # mark as retrieved: no "exception never retrieved" log
         entry.waiters.discard(fut)
+        if entry.owner is fut:
+            entry.owner = None  # the entry must not keep the value alive
         if entry.live():
             return
         if self._pending.get(entry.key) is entry:
@@ -407,6 +409,7 @@ class AutoBatcher(Generic[R, V]):
         """An entry's computation ended: cache its value and resolve its awaiters."""
         if self._inflight.get(entry.key) is entry:
             del self._inflight[entry.key]
+        entry.handle = None  # done with it; and entry -> ticket -> entry would be a reference cycle
         if generation != self._generation:
             return  # reset meanwhile: its awaiters were resolved then
         if cancelled:
@@ -416,19 +419,20 @@ class AutoBatcher(Generic[R, V]):
         if exc is not None:
             self._resolve_exc(entry, exc)
             return
-        # A cache that stores nothing (``cache_size=0``) keeps no reference: no copy for it.
-        cached = self.cache is not None and entry.cache_key is not None and getattr(self.cache, "enabled", True)
-        if cached:
-            try:
-                self.cache.put(entry.cache_key, value)  # type: ignore[union-attr]
+        stored = False
+        if self.cache is not None and entry.cache_key is not None:
+            try:  # the cache keeps a value asked for twice (together, or once before)
+                stored = self.cache.offer(entry.cache_key, value, entry.asks)
             except Exception as cache_exc:  # noqa: BLE001 - goes to this entry's awaiters
                 self._resolve_exc(entry, cache_exc)
                 return
         live = [f for f in entry.waiters if not f.done()]
-        # The value is the engine's fresh object: one awaiter and no cache may keep it as is,
-        # unless it is a view into a larger tensor (rows moved between devices in one batch, or
-        # an accelerator's batched capture), which would keep the whole batch alive.
-        entry.exclusive = self._bursts and not cached and len(live) == 1 and _owns_its_memory(value)
+        # The value is the engine's fresh object: when the cache did not keep it, one awaiter may
+        # take it as is (the others get copies), unless it is a view into a larger tensor (rows
+        # moved between devices in one batch, an accelerator's batched capture), which would
+        # keep the whole batch alive.
+        if self._bursts and not stored and live and owns_its_memory(value):
+            entry.owner = live[0]
         for f in live:
             f.set_result(value)
 
