@@ -9,6 +9,7 @@ a transformers float32 forward).
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import torch
 from fake_core import FakeCore, fake_row
@@ -107,6 +108,34 @@ async def test_fake_core_mutating_a_row_never_reaches_another_caller_or_a_later_
             assert torch.equal(hit, want)
             hit.numpy()[0] = 99.0
         assert lm.stats["logprobs"]["cache_hits"] == 3 and lm.stats["sync"]["cache_hits"] == 1
+    finally:
+        lm.cleanup()
+
+
+async def test_fake_core_rows_leave_no_reference_cycles():
+    """Everything an awaited row goes through (job, ticket, the batcher's entry, the query) is
+    freed by reference counting once the row is handed over: nothing waits for the garbage
+    collector, which would also keep a row alive until it runs."""
+    core = FakeCore(vocab=V, max_num_seqs=64, max_model_len=256)
+    lm = model(core)
+    try:
+        await lm.next_token_logprobs([3, 4])  # warm up
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            parts = [[3, 4, 5 + i] for i in range(8)]
+            for t in range(3):
+                await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+                parts = [p + [t] for p in parts]
+            gc.collect()
+            ours = [type(o).__name__ for o in gc.garbage
+                    if type(o).__module__.startswith("genlm_vlm") or isinstance(o, torch.Tensor)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert ours == []
     finally:
         lm.cleanup()
 
