@@ -1,15 +1,13 @@
 """Batching concurrent asyncio awaits into groups for an engine that batches continuously.
 
-Many coroutines (e.g. SMC particles) ``await batcher.submit(request, key)``; the
-:class:`AutoBatcher` collects the requests of one event-loop pass (or of ``timeout`` seconds)
-into groups of at most ``batch_size`` and hands each to ``start``, which returns one
-``concurrent.futures.Future`` per request; each awaiter is resolved when its own future is, from
-whatever thread completes it. Identical keys in flight are computed once and cached values
+Many coroutines (e.g. SMC particles) ``await batcher.submit(request, key)``, or one awaits
+``submit_many`` for a whole batch (no task per request); the :class:`AutoBatcher` collects the
+requests of one event-loop pass (or of ``timeout`` seconds) into groups of at most ``batch_size``
+and hands each to ``start``. Identical keys in flight are computed once and cached values
 answered at once (:func:`lookup`, the cache-and-dedup step the blocking paths take too through
 :class:`KeyPlan`); work nobody waits for any more is dropped or its future cancelled (the engine
 aborts it); failures, :meth:`AutoBatcher.reset` and :meth:`AutoBatcher.close` resolve exactly
-the awaiters concerned, so nothing ever hangs.
-"""
+the awaiters concerned, so nothing ever hangs."""
 
 from __future__ import annotations
 
@@ -24,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._mailbox import Mailbox
 from .cache import owns_its_memory
 from .dedup import KeyPlan, lookup
 
@@ -34,10 +33,6 @@ __all__ = ["AutoBatcher", "KeyPlan", "lookup"]
 
 R = TypeVar("R")
 V = TypeVar("V")
-
-
-def _identity(value: Any) -> Any:
-    return value
 
 
 @dataclass(eq=False)
@@ -55,50 +50,6 @@ class _Entry:
     def live(self) -> bool:
         """True if at least one awaiter still wants the result."""
         return any(not f.done() for f in self.waiters)
-
-
-class _Mailbox:
-    """Carries engine-thread completions to one event loop, one loop callback per burst.
-
-    An engine step that finishes 256 requests posts 256 items but wakes the loop once (each
-    ``call_soon_threadsafe`` writes to the loop's self-pipe); the loop then handles them in
-    order. A closed loop drops the items: nobody can be waiting on it any more.
-    """
-
-    __slots__ = ("handler", "items", "lock", "loop", "scheduled")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, handler: Callable[..., None]) -> None:
-        self.loop = loop
-        self.handler = handler
-        self.lock = threading.Lock()
-        self.items: list[tuple[Any, ...]] = []
-        self.scheduled = False
-
-    def post(self, *item: Any) -> None:
-        """Queue ``handler(*item)`` on the loop (any thread)."""
-        with self.lock:
-            self.items.append(item)
-            if self.scheduled:
-                return
-            self.scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed
-            with self.lock:
-                self.items.clear()
-                self.scheduled = False
-
-    def _drain(self) -> None:
-        with self.lock:
-            items, self.items = self.items, []
-            self.scheduled = False
-        for item in items:
-            try:
-                self.handler(*item)
-            except BaseException as exc:  # noqa: BLE001 - reported, and the rest still delivered
-                self.loop.call_exception_handler(
-                    {"message": "genlm_vlm: delivering a result failed", "exception": exc}
-                )
 
 
 class AutoBatcher(Generic[R, V]):
@@ -146,7 +97,7 @@ class AutoBatcher(Generic[R, V]):
         batch_size: int = 256,
         timeout: float = 0.0,
         cache: OutputCache | None = None,
-        deliver: Callable[[V], V] = _identity,
+        deliver: Callable[[V], V] | None = None,
         dedupe: bool = True,
         name: str = "batcher",
         bursts: bool = False,
@@ -159,7 +110,7 @@ class AutoBatcher(Generic[R, V]):
         self.batch_size = int(batch_size)
         self.timeout = float(timeout)
         self.cache = cache
-        self._deliver = deliver
+        self._deliver: Callable[[V], V] = deliver if deliver is not None else (lambda value: value)
         self.dedupe = bool(dedupe)
         self.name = name
         self._bursts = bool(bursts)
@@ -170,7 +121,7 @@ class AutoBatcher(Generic[R, V]):
         self._pending: dict[Hashable, _Entry] = {}  # insertion-ordered, not yet dispatched
         self._inflight: dict[Hashable, _Entry] = {}  # dispatched, engine future not done
         self._flush_handle: asyncio.Handle | None = None
-        self._mailbox: _Mailbox | None = None  # completions on their way to the loop
+        self._mailbox: Mailbox | None = None  # completions on their way to the loop
         self._generation = 0  # bumped by reset(); completions of older entries are dropped
         self._closed = False
         self._counts: Counter[str] = Counter()  # the counters of ``stats`` (loop thread)
@@ -220,11 +171,53 @@ class AutoBatcher(Generic[R, V]):
         computation, or ``CancelledError`` if the awaiter was cancelled (by its task or by
         :meth:`reset`).
         """
+        value, entry, fut = self._enter(request, key, self._running_loop())
+        if entry is None:
+            return value
+        try:
+            value = await fut
+        finally:
+            own = fut is entry.owner
+            self._release(entry, fut)
+        return value if own else self._deliver(value)
+
+    async def submit_many(self, requests: Sequence[R], keys: Sequence[Hashable | None]) -> list[V]:
+        """``[await submit(r, k) for ...]`` as one awaiter: the same groups, dedup, cache and
+        hand-over, without a task per request. The first failure is raised and every request of
+        the call nobody else waits for is dropped (its engine work aborted)."""
+        loop = self._running_loop()
+        out: list[Any] = []
+        waits: list[tuple[int, _Entry, asyncio.Future]] = []
+        ok = False
+        try:
+            for i, (request, key) in enumerate(zip(requests, keys, strict=True)):
+                value, entry, fut = self._enter(request, key, loop)
+                out.append(value)
+                if entry is not None:
+                    waits.append((i, entry, fut))  # type: ignore[arg-type]
+            for _, _, fut in waits:
+                await fut  # one suspension per burst of results: the rest are done by then
+            ok = True
+        finally:
+            for i, entry, fut in waits:
+                own = fut is entry.owner
+                self._release(entry, fut)
+                if ok:
+                    out[i] = fut.result() if own else self._deliver(fut.result())
+        return out
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
+        return loop
+
+    def _enter(self, request: R, key: Hashable | None,
+               loop: asyncio.AbstractEventLoop) -> tuple[Any, _Entry | None, asyncio.Future | None]:
+        """One request's cache-and-dedup step: ``(delivered cache hit, None, None)``, or
+        ``(None, entry, future)`` with a new future among the entry's waiters."""
         self._counts["requests"] += 1
         if self.dedupe:
             key = request if key is None else key
@@ -233,7 +226,7 @@ class AutoBatcher(Generic[R, V]):
             how, found = lookup(key, self.cache) if key is not None else ("new", None)
         if how == "cached":
             self._counts["cache_hits"] += 1
-            return self._deliver(found)
+            return self._deliver(found), None, None
         fut = loop.create_future()
         if how == "joined":
             self._counts["dedup_joins"] += 1
@@ -245,12 +238,7 @@ class AutoBatcher(Generic[R, V]):
                            request=request, waiters={fut})
             self._pending[entry.key] = entry
             self._schedule()
-        try:
-            value = await fut
-        finally:
-            own = fut is entry.owner
-            self._release(entry, fut)
-        return value if own else self._deliver(value)
+        return None, entry, fut
 
     def _release(self, entry: _Entry, fut: asyncio.Future) -> None:
         """Detach a finished (or abandoned) awaiter; drop the entry once nobody waits for it."""
@@ -360,7 +348,7 @@ class AutoBatcher(Generic[R, V]):
             return
         box = self._mailbox
         if box is None or box.loop is not self._loop:
-            box = self._mailbox = _Mailbox(self._loop, self._on_entry_done)
+            box = self._mailbox = Mailbox(self._loop, self._on_entry_done)
         for e, handle in zip(group, handles, strict=True):
             e.handle = handle
             self._inflight[e.key] = e

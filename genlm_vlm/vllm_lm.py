@@ -260,6 +260,10 @@ class AsyncVirtualLM(ServingLM):
     async def _row(self, query: Query) -> torch.Tensor:
         return await self._logprob_batcher.submit(query, query.key)
 
+    async def _rows(self, queries: list[Query]) -> torch.Tensor:
+        # One awaiter for the whole batch (no task per query); the same groups, dedup and cache.
+        return torch.stack(await self._logprob_batcher.submit_many(queries, [q.key for q in queries]))
+
     async def _samples(self, specs: list[SampleArgs], adapter: Adapter | None) -> list[list[int]]:
         return list(await asyncio.gather(*(self._sample_batcher.submit((s, adapter)) for s in specs)))
 

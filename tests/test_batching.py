@@ -634,3 +634,54 @@ async def test_bursts_failures_cancellation_and_reset():
     fake.report(1)  # a late result after the reset is dropped
     await passes(2)
     assert b.num_inflight == 0
+
+
+async def test_submit_many_joins_the_same_groups_without_a_task_per_request():
+    """One batch call and a lone await of the same pass go out as one group; duplicates within
+    the call are computed once (kept by the cache: asked twice), cache hits are answered at once,
+    and every position gets a value of its own."""
+    fake = BurstStart()
+    cache = OutputCache(10)
+    b = AutoBatcher(fake, bursts=True, cache=cache, deliver=torch.Tensor.clone)
+    cache.put("hit", torch.full((2,), 9.0))
+    tasks_before = len(asyncio.all_tasks())
+    many = asyncio.ensure_future(b.submit_many(["a", "b", "a", "hit"], ["a", "b", "a", "hit"]))
+    lone = asyncio.ensure_future(b.submit("c"))
+    await fake.wait_calls(1)
+    assert len(asyncio.all_tasks()) == tasks_before + 2  # the two awaiters, nothing per request
+    assert fake.calls[0][0] == ["a", "b", "c"]
+    values = {r: torch.full((2,), float(i)) for i, r in enumerate("abc")}
+    fake.report(0, values)
+    got, c = await settle(many, lone)
+    assert [float(r[0]) for r in got] == [0.0, 1.0, 0.0, 9.0] and float(c[0]) == 2.0
+    assert got[1] is values["b"] and c is values["c"]  # asked once: handed over as is
+    assert len({r.data_ptr() for r in got}) == 4 and cache.get("a") is values["a"]
+    assert b.stats["requests"] == 5 and b.stats["dedup_joins"] == 1 and b.stats["cache_hits"] == 1
+
+
+async def test_submit_many_raises_the_first_failure_and_drops_the_rest():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True)
+    other = asyncio.ensure_future(b.submit("y"))  # another awaiter of "y" keeps it alive
+    many = asyncio.ensure_future(b.submit_many(["x", "y", "z"], ["x", "y", "z"]))
+    await fake.wait_calls(1)
+    requests, listener, tickets = fake.calls[0]
+    listener([(tickets[requests.index("x")], None, ValueError("bad row"))])
+    with pytest.raises(ValueError, match="bad row"):
+        await one(many)
+    assert [t.payload.request for t in fake.cancelled] == ["z"]  # nobody else waits for z
+    fake.report(0)
+    assert await one(other) == value_of("y")
+    assert b.num_inflight == 0
+
+
+async def test_submit_many_cancelled_releases_every_request():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True)
+    many = asyncio.ensure_future(b.submit_many(["p", "q"], ["p", "q"]))
+    await fake.wait_calls(1)
+    many.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await one(many)
+    assert sorted(t.payload.request for t in fake.cancelled) == ["p", "q"] and b.num_inflight == 0
+    assert await b.submit_many([], []) == []
