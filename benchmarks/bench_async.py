@@ -12,7 +12,8 @@ Three workloads, each at several particle/batch counts N, on identical prompts f
 
 Systems:
 
-* ``ours``: ``AsyncVirtualLM``; N coroutines ``await lm.next_token_logprobs(ids)`` per
+* ``ours``: ``AsyncVirtualLM.from_name(model, engine_opts)`` with genlm_vlm's defaults (the
+  output cache on); N coroutines ``await lm.next_token_logprobs(ids)`` per
   step/round under ``asyncio.gather`` (the output cache is cleared before every repetition).
 * ``ceiling``: plain ``vllm.LLM.generate`` with ``SamplingParams(max_tokens=1,
   temperature=0, detokenize=False)`` and no logprobs: the cost of the engine alone.

@@ -24,8 +24,9 @@ the systems' order rotating from one repetition to the next; the median is repor
 whose warm-up took over ``--slow-s`` seconds, in practice ``transformers`` on the big model, gets
 one timed run in that cell: ``reps_run``):
 
-* ``ours``: ``genlm_vlm.AsyncVirtualLM.from_name(path, ENGINE_OPTS)`` under the program. Before
-  every run its output cache is cleared, its idle sessions released and vLLM's prefix cache reset.
+* ``ours``: ``genlm_vlm.AsyncVirtualLM.from_name(path, ENGINE_OPTS)`` under the program, every
+  other option at its default (what a user runs: the output cache on, sessions). Before every
+  run its output cache is cleared, its idle sessions released and vLLM's prefix cache reset.
 * ``mock``: the program over ``genlm_vlm.MockAsyncLM.from_name(path, logit_scale=0.2 *
   sqrt(hidden))`` (same tokenizer and logit width; pseudo-random rows whose logits spread like
   the random models'; padded columns past the tokenizer pushed 30 nats under the row's maximum,

@@ -8,10 +8,14 @@ copy of one precomputed row (the real capture allocates one fresh row per reques
 is left is genlm_vlm's host work, measured in microseconds per row at a given logit width.
 
 Workload: ``--n`` particles extend a ``--prompt-len``-token prompt by one token per step for
-``--steps`` steps (as in bench_smc.py), awaited with ``asyncio.gather``; the output cache is off
-(``cache_size=0``, as in the SMC benchmarks) unless ``--cache``. Also printed: the cost of the
-capture's own work per row (``log_softmax`` of a raw row into a fresh tensor), which the real
-engine pays inside its step.
+``--steps`` steps (as in bench_smc.py); each step's rows are awaited per particle
+(``asyncio.gather`` of ``next_token_logprobs``, then ``torch.stack``: pattern ``await``) or in one
+``batch_next_token_logprobs`` call (pattern ``batch``). Configurations (``--configs``):
+``defaults`` (the model built with every option at its default, as ``from_name`` builds it: the
+output cache on) and ``nocache`` (``cache_size=0``). Every (configuration, pattern) runs on its
+own model, and the repetitions alternate between them. Also printed: the cost of the capture's
+own work per row (``log_softmax`` of a raw row into a fresh tensor), which the real engine pays
+inside its step.
 
     .venv/bin/python benchmarks/bench_host.py --width 32768 151936
 
@@ -47,15 +51,23 @@ class CheapCore(FakeCore):
         self.row_fn = lambda tokens, vocab: row.clone()
 
 
-async def smc(lm: Any, prompt: list[int], n: int, steps: int) -> None:
+async def smc(lm: Any, prompt: list[int], n: int, steps: int, batch: bool = False) -> None:
     parts = [list(prompt) for _ in range(n)]
     for t in range(steps):
-        await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+        if batch:
+            rows = await lm.batch_next_token_logprobs(parts)
+        else:
+            rows = torch.stack(await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts)))
+        assert rows.shape[0] == n
         parts = [p + [3 + (i + t) % 500] for i, p in enumerate(parts)]
 
 
-def measure(width: int, n: int, steps: int, prompt_len: int, reps: int, cache: bool,
-            tune_allocator: bool = True) -> dict[str, Any]:
+CONFIGS: dict[str, dict[str, Any]] = {"defaults": {}, "nocache": {"cache_size": 0}}
+
+
+def measure(width: int, n: int, steps: int, prompt_len: int, reps: int, systems: list[tuple[str, str]],
+            tune_allocator: bool = True) -> list[dict[str, Any]]:
+    """One cell: every (configuration, pattern) of ``systems`` on its own model, alternating."""
     from genlm_vlm import AsyncVirtualLM
     from genlm_vlm.engine import EngineDriver
 
@@ -64,39 +76,52 @@ def measure(width: int, n: int, steps: int, prompt_len: int, reps: int, cache: b
 
         tune_cpu_allocator()
 
-    core = CheapCore(width, max_num_seqs=max(256, n))
-    driver = EngineDriver("fake", core_factory=lambda: core)
-    lm = AsyncVirtualLM(driver, cache_size=10_000 if cache else 0)
     prompt = [3 + i % 500 for i in range(prompt_len)]
     loop = asyncio.new_event_loop()
+    lms, times, before = {}, {}, {}
     try:
-        loop.run_until_complete(smc(lm, prompt, n, steps))  # warm-up
-        lm.clear_cache()
-        before, cpu0 = lm.stats, time.process_time()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            loop.run_until_complete(smc(lm, prompt, n, steps))
-            times.append(time.perf_counter() - t0)
+        for config, pattern in systems:
+            core = CheapCore(width, max_num_seqs=max(256, n))
+            driver = EngineDriver("fake", core_factory=lambda core=core: core)
+            lm = lms[config, pattern] = AsyncVirtualLM(driver, **CONFIGS[config])
+            loop.run_until_complete(smc(lm, prompt, n, steps, pattern == "batch"))  # warm-up
             lm.clear_cache()
-        cpu = time.process_time() - cpu0
-        after = lm.stats
+            before[config, pattern] = lm.stats
+            times[config, pattern] = []
+        cpu = dict.fromkeys(lms, 0.0)
+        for rep in range(reps):
+            order = systems[rep % len(systems):] + systems[:rep % len(systems)]
+            for system in order:
+                lm = lms[system]
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                loop.run_until_complete(smc(lm, prompt, n, steps, system[1] == "batch"))
+                times[system].append(time.perf_counter() - t0)
+                cpu[system] += time.process_time() - cpu0
+                lm.clear_cache()
+        after = {system: lm.stats for system, lm in lms.items()}
     finally:
-        lm.cleanup()
+        for lm in lms.values():
+            lm.cleanup()
         loop.close()
     rows = n * steps * reps
-    t0, t1 = before["engine_time"], after["engine_time"]
-    per = {k[:-2]: (t1[k] - t0[k]) / rows * 1e6 for k in t1}
-    return {
-        "width": width, "n": n, "steps": steps, "prompt_len": prompt_len, "cache": cache, "tuned": tune_allocator,
-        "wall_us_per_row": round(statistics.median(times) / (n * steps) * 1e6, 1),
-        "cpu_us_per_row": round(cpu / rows * 1e6, 1),
-        "engine_thread_host_us": round(per["host"], 1),
-        "engine_thread_step_us": round(per["step"], 1),
-        "loop_deliver_us": round((after["logprobs"]["deliver_s"] - before["logprobs"]["deliver_s"]) / rows * 1e6, 1),
-        "result_hops_per_step": round((after["logprobs"]["result_hops"] - before["logprobs"]["result_hops"])
-                                      / (steps * reps), 2),
-    }
+    out = []
+    for system in systems:
+        b, a = before[system], after[system]
+        t0, t1 = b["engine_time"], a["engine_time"]
+        per = {k[:-2]: (t1[k] - t0[k]) / rows * 1e6 for k in t1}
+        out.append({
+            "width": width, "n": n, "steps": steps, "prompt_len": prompt_len, "config": system[0],
+            "pattern": system[1], "tuned": tune_allocator,
+            "wall_us_per_row": round(statistics.median(times[system]) / (n * steps) * 1e6, 1),
+            "cpu_us_per_row": round(cpu[system] / rows * 1e6, 1),
+            "engine_thread_host_us": round(per["host"], 1),
+            "engine_thread_step_us": round(per["step"], 1),
+            "loop_deliver_us": round((a["logprobs"]["deliver_s"] - b["logprobs"]["deliver_s"]) / rows * 1e6, 1),
+            "result_hops_per_step": round((a["logprobs"]["result_hops"] - b["logprobs"]["result_hops"])
+                                          / (steps * reps), 2),
+            "cache_hits": a["cache"]["hits"] - b["cache"]["hits"],
+        })
+    return out
 
 
 def capture_cost(width: int, n: int = 64, reps: int = 50) -> float:
@@ -117,18 +142,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--cache", action="store_true", help="keep the output cache on (rows are then copied)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                    help="defaults: the model's default options (output cache on); nocache: cache_size=0")
+    ap.add_argument("--patterns", nargs="+", default=["await", "batch"], choices=["await", "batch"])
     ap.add_argument("--glibc-defaults", action="store_true",
                     help="leave glibc's allocator as it is (the engine build tunes it on CPU)")
     ap.add_argument("--out", default=str(_HERE / "results" / "host.json"))
     args = ap.parse_args(argv)
     results = []
+    systems = [(c, p) for c in args.configs for p in args.patterns]
     for width in args.width:
         for n in args.n:
-            cell = measure(width, n, args.steps, args.prompt_len, args.reps, args.cache, not args.glibc_defaults)
-            cell["capture_us_per_row"] = capture_cost(width)
-            results.append(cell)
-            print(json.dumps(cell), flush=True)
+            capture = capture_cost(width)
+            for cell in measure(width, n, args.steps, args.prompt_len, args.reps, systems, not args.glibc_defaults):
+                cell["capture_us_per_row"] = capture
+                results.append(cell)
+                print(json.dumps(cell), flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

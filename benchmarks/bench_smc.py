@@ -9,10 +9,16 @@ every system sees the same token sequences.
 
 Systems, all in one process, on the same local model and engine options:
 
-* ``ours``: ``AsyncVirtualLM`` (streaming-input sessions: a continuing particle is one decode
-  token);
-* ``ours_requests``: ``AsyncVirtualLM(sessions=False)``: every step is a fresh request per
-  particle (the previous design);
+* ``ours``: ``AsyncVirtualLM.from_name(path, engine_opts)`` with every other option at its
+  default (what a user runs: the output cache on, streaming-input sessions), awaited per
+  particle: ``rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))``,
+  then ``torch.stack(rows)`` (what llamppl and hand-written SMC do);
+* ``ours_batch``: the same model object, one ``await lm.batch_next_token_logprobs(particles)``
+  per step (what genlm-control's ``AutoBatchedPotential`` does);
+* ``ours_nocache``: a second ``AsyncVirtualLM`` built with ``cache_size=0``, awaited per
+  particle (the configuration the SMC tables used before the defaults were made fast);
+* ``ours_requests``: ``AsyncVirtualLM(sessions=False, cache_size=0)``: every step is a fresh
+  request per particle (the previous design);
 * ``generate1``: plain ``vllm.LLM.generate(max_tokens=1)`` on every particle's full prompt per
   step (the ceiling of the previous design; rows are not even returned);
 * ``decode``: plain ``vllm.LLM.generate(N prompts, max_tokens=T, ignore_eos=True)``: vLLM
@@ -20,13 +26,20 @@ Systems, all in one process, on the same local model and engine options:
 * ``hf``: transformers float32 incremental decoding with a KV cache (``past_key_values``,
   reordered on resampling), full-vocabulary ``log_softmax`` per step.
 
-Prints rows/s (one row = one particle-step) per system and the ratios ours/decode,
-ours/generate1, ours/hf, and for ours the account of a particle-step (microseconds per row:
+Every vLLM engine gets the same options (genlm_vlm's defaults, block size included, plus
+``ENGINE_OPTS``). Each system gets one warm-up, then ``--reps`` timed repetitions that alternate
+between the systems (the order rotates from one repetition to the next); before each run of an
+``ours*`` system its output cache is cleared, its idle sessions released and vLLM's prefix cache
+reset (untimed). Prints rows/s (one row = one particle-step) per system, the ratios ``ours/decode``,
+``ours_batch/decode``, ``ours_nocache/decode`` (and against ``generate1``, ``ours_requests``,
+``hf``), and for each ``ours*`` system the account of a particle-step (microseconds per row:
 ``step`` inside vLLM's step, ``host`` genlm_vlm's engine-thread work, ``idle`` the engine
-waiting for the program, ``loop`` genlm_vlm's hand-over on the event loop; CPU/wall); medians of ``--reps`` repetitions after one warm-up. Writes JSON to
+waiting for the program, ``loop`` genlm_vlm's hand-over on the event loop; CPU/wall; output
+cache ``hits``); medians of ``--reps`` (every run's seconds are printed and kept too). Writes JSON to
 ``--out``. Example::
 
     .venv/bin/python benchmarks/bench_smc.py --model llama-32k --n 64 256 --resample 0 4
+    .venv/bin/python benchmarks/bench_smc.py --model llama-32k --n 64 --resample 0 --systems ours ours_batch ours_nocache decode
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -77,10 +91,16 @@ def step_prompts(prompt: list[int], n: int, moves: list) -> list[list[list[int]]
     return out
 
 
-async def run_ours(lm: Any, prompt: list[int], n: int, moves: list) -> None:
+async def run_ours(lm: Any, prompt: list[int], n: int, moves: list, batch: bool = False) -> None:
+    """One SMC run: per step every particle's row (awaited per particle, or as one batch call),
+    stacked into ``[N, V]``; then resampling (if due) and one token per particle."""
     parts = [list(prompt) for _ in range(n)]
     for anc, toks in moves:
-        await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+        if batch:
+            rows = await lm.batch_next_token_logprobs(parts)
+        else:
+            rows = torch.stack(await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts)))
+        assert rows.shape[0] == n
         if anc is not None:
             parts = [list(parts[a]) for a in anc]
         parts = [p + [t] for p, t in zip(parts, toks, strict=True)]
@@ -120,26 +140,25 @@ def run_hf(model: Any, prompt: list[int], n: int, moves: list) -> None:
             past = out.past_key_values
 
 
-def account(name: str, before: dict, after: dict, rows: int, cpu_s: float, wall_s: float) -> dict[str, float]:
-    """Where one particle-step's time went (microseconds per row, over warm-up and reps):
+def counters(lm: Any) -> dict[str, float]:
+    """The counters the account reads, from ``lm.stats``."""
+    st = lm.stats
+    return {**st["engine_time"], "deliver_s": st["logprobs"]["deliver_s"], "cache_hits": st["cache"]["hits"]}
+
+
+def account(name: str, spent: dict[str, float], rows: int) -> dict[str, float]:
+    """Where one particle-step's time went (microseconds per row, over the timed runs):
     ``step`` inside vLLM's step, ``host`` genlm_vlm's engine-thread work, ``idle`` the engine
-    waiting for the program, ``loop`` genlm_vlm's result hand-over on the event loop; and the
-    process's CPU seconds per wall second (2.0 = both cores busy)."""
-    t0, t1 = before["engine_time"], after["engine_time"]
-    out = {f"{name}_{k[:-2]}_us": round((t1[k] - t0[k]) / rows * 1e6, 1) for k in t1}
-    out[f"{name}_loop_us"] = round((after["logprobs"]["deliver_s"] - before["logprobs"]["deliver_s"]) / rows * 1e6, 1)
-    out[f"{name}_cpu_per_wall"] = round(cpu_s / wall_s, 2)
+    waiting for the program, ``loop`` genlm_vlm's result hand-over on the event loop; the
+    process's CPU seconds per wall second (2.0 = both cores busy); output cache hits."""
+    out = {f"{name}_{k[:-2]}_us": round(spent[k] / rows * 1e6, 1) for k in ("step_s", "host_s", "idle_s")}
+    out[f"{name}_loop_us"] = round(spent["deliver_s"] / rows * 1e6, 1)
+    out[f"{name}_cpu_per_wall"] = round(spent["cpu_s"] / spent["wall_s"], 2)
+    out[f"{name}_cache_hits"] = int(spent["cache_hits"])
     return out
 
 
-def timed(fn: Any, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+OURS = ("ours", "ours_batch", "ours_nocache", "ours_requests")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resample", type=int, nargs="+", default=[0, 4], help="0: no resampling; K: every K-th step")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=None, help="engine block_size (default: genlm_vlm's)")
-    ap.add_argument("--systems", nargs="+", default=["ours", "ours_requests", "generate1", "decode", "hf"])
+    ap.add_argument("--systems", nargs="+", default=["ours", "ours_batch", "ours_nocache", "ours_requests", "generate1", "decode", "hf"],
+                    help="ours and ours_batch share one model built with from_name's defaults")
     ap.add_argument("--out", default="benchmarks/results/smc.json")
     ap.add_argument("--delivery-parts", type=int, default=1, help="AsyncVirtualLM delivery_parts for ours")
     args = ap.parse_args(argv)
@@ -166,8 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         opts["block_size"] = args.block_size
     loop = asyncio.new_event_loop()
     lms: dict[str, Any] = {}
-    if "ours" in args.systems:
-        lms["ours"] = AsyncVirtualLM.from_name(path, dict(opts), cache_size=0, delivery_parts=args.delivery_parts)
+    if {"ours", "ours_batch"} & set(args.systems):
+        # What a user runs: from_name's defaults (delivery_parts only if asked for).
+        extra = {"delivery_parts": args.delivery_parts} if args.delivery_parts != 1 else {}
+        lm = AsyncVirtualLM.from_name(path, dict(opts), **extra)
+        for name in ("ours", "ours_batch"):
+            if name in args.systems:
+                lms[name] = lm
+    if "ours_nocache" in args.systems:
+        lms["ours_nocache"] = AsyncVirtualLM.from_name(path, dict(opts), cache_size=0)
     if "ours_requests" in args.systems:
         lms["ours_requests"] = AsyncVirtualLM.from_name(path, dict(opts), sessions=False, cache_size=0)
     llm = None
@@ -196,28 +223,59 @@ def main(argv: list[str] | None = None) -> int:
             prompt, moves = plan(n, args.steps, args.prompt_len, resample, vocab, seed=n + resample)
             rows = n * args.steps
             cell: dict[str, Any] = {"model": args.model, "n": n, "steps": args.steps, "prompt_len": args.prompt_len, "resample": resample}
+            # name -> (untimed set-up, timed run)
+            runs: dict[str, tuple[Any, Any]] = {}
             for name, lm in lms.items():
-                before, cpu0, wall0 = lm.stats, time.process_time(), time.perf_counter()
-                cell[name] = rows / timed(lambda lm=lm: (fresh(lm), loop.run_until_complete(run_ours(lm, prompt, n, moves))), args.reps)  # noqa: B023 (called at once)
-                cell.update(account(name, before, lm.stats, rows * (args.reps + 1),
-                                    time.process_time() - cpu0, time.perf_counter() - wall0))
+                runs[name] = (lambda lm=lm: fresh(lm),
+                              lambda lm=lm, batch=(name == "ours_batch"):  # called in this cell only
+                              loop.run_until_complete(run_ours(lm, prompt, n, moves, batch)))  # noqa: B023
             if llm is not None and "generate1" in args.systems:
                 per_step = step_prompts(prompt, n, moves)
-                cell["generate1"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_generate1(llm, per_step)), args.reps)  # noqa: B023
+                runs["generate1"] = (llm.reset_prefix_cache, lambda: run_generate1(llm, per_step))  # noqa: B023
             if llm is not None and "decode" in args.systems:
-                cell["decode"] = rows / timed(lambda: (llm.reset_prefix_cache(), run_decode(llm, prompt, n, args.steps, 0)), args.reps)  # noqa: B023
+                runs["decode"] = (llm.reset_prefix_cache, lambda: run_decode(llm, prompt, n, args.steps, 0))  # noqa: B023
             if hf is not None:
-                cell["hf"] = rows / timed(lambda: run_hf(hf, prompt, n, moves), args.reps)  # noqa: B023
-            if "ours" in cell:
+                runs["hf"] = (lambda: None, lambda: run_hf(hf, prompt, n, moves))  # noqa: B023
+            names = [s for s in args.systems if s in runs]
+            for name in names:  # warm-up
+                runs[name][0]()
+                runs[name][1]()
+            times: dict[str, list[float]] = {name: [] for name in names}
+            spent: dict[str, Counter[str]] = {name: Counter() for name in lms}
+            for rep in range(args.reps):
+                k = rep % len(names)
+                for name in names[k:] + names[:k]:  # rotate the order from one repetition to the next
+                    lm = lms.get(name)
+                    runs[name][0]()
+                    before = counters(lm) if lm is not None else {}
+                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    runs[name][1]()
+                    t1, cpu1 = time.perf_counter(), time.process_time()
+                    times[name].append(t1 - t0)
+                    if lm is not None:  # this system's runs only (ours and ours_batch share a model)
+                        after = counters(lm)
+                        spent[name].update({k: after[k] - before[k] for k in after})
+                        spent[name].update({"cpu_s": cpu1 - cpu0, "wall_s": t1 - t0})
+            for name in names:
+                cell[name] = rows / statistics.median(times[name])
+            cell["seconds"] = {name: [round(t, 3) for t in times[name]] for name in names}
+            for name in lms:
+                cell.update(account(name, spent[name], rows * args.reps))
+            for ours in OURS:
+                if ours not in cell:
+                    continue
                 for base in ("decode", "generate1", "ours_requests", "hf"):
-                    if base in cell:
-                        cell[f"ours/{base}"] = cell["ours"] / cell[base]
+                    if base in cell and base != ours:
+                        cell[f"{ours}/{base}"] = cell[ours] / cell[base]
+            if "ours" in cell and "ours_nocache" in cell:
+                cell["ours_nocache/ours"] = cell["ours_nocache"] / cell["ours"]
             results.append(cell)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in cell.items()}), flush=True)
+            print("  seconds per run:", cell["seconds"], flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    for lm in lms.values():
+    for lm in set(lms.values()):
         lm.cleanup()
     return 0
 

@@ -6,6 +6,7 @@ import asyncio
 import numbers
 import warnings
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
@@ -44,19 +45,65 @@ def _fit(vocab: list[T], size: int, empty: T) -> list[T]:
     return vocab[:size] + [empty] * (size - len(vocab))
 
 
-def as_token_ids(token_ids: Any, what: str, vocab_size: int) -> tuple[int, ...]:
+class KnownIds:
+    """Token-id tuples already found valid for one vocabulary size, so that a prompt of ints
+    that repeats one, or extends one by a single id (a continuing SMC particle), needs no range
+    check over every id: one lookup of its prefix and a look at its last id.
+
+    Insertion-ordered and bounded by the ids it holds (``budget``, 2**19 by default: at most
+    4 MiB of tuple slots; the oldest tuples are forgotten first). Safe to share between
+    threads: a race can only forget a tuple, never admit an unchecked one.
+    """
+
+    __slots__ = ("_held", "_tuples", "budget", "vocab_size")
+
+    def __init__(self, vocab_size: int, budget: int = 1 << 19) -> None:
+        self.vocab_size = vocab_size
+        self.budget = budget
+        self._tuples: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._held = 0
+
+    def covers(self, ids: tuple[int, ...]) -> bool:
+        """True if ``ids`` (a tuple of ``int``, checked by the caller) is known, or extends a
+        known tuple by one id in the vocabulary (then it is remembered too)."""
+        tuples = self._tuples
+        if len(ids) > 1 and ids[:-1] in tuples:
+            if 0 <= ids[-1] < self.vocab_size:
+                self.add(ids)
+                return True
+            return False
+        return ids in tuples
+
+    def add(self, ids: tuple[int, ...]) -> None:
+        """Remember ``ids`` (every id already checked to be an int in the vocabulary)."""
+        tuples = self._tuples
+        tuples[ids] = None
+        self._held += len(ids)
+        while self._held > self.budget and tuples:
+            try:
+                old, _ = tuples.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
+            self._held -= len(old)
+
+
+def as_token_ids(token_ids: Any, what: str, vocab_size: int, known: KnownIds | None = None) -> tuple[int, ...]:
     """``token_ids`` (a sequence of ints, or a 1-D integer tensor / array) as a tuple of ints.
 
     Raises ``TypeError`` for text, non-integer entries or dtypes, ``ValueError`` for a 2-D
     input or an id outside ``[0, vocab_size)``; the message names ``what``. An empty input gives
-    ``()`` (callers decide whether that is allowed).
+    ``()`` (callers decide whether that is allowed). With ``known`` (for this ``vocab_size``),
+    a prompt that repeats, or extends by one id, a prompt found valid before skips the range
+    check over its ids, and a prompt found valid is remembered there.
     """
     if isinstance(token_ids, str | bytes):
         raise TypeError(
             f"{what} must be a sequence of token ids, got {type(token_ids).__name__}; "
             "use lm.tokenizer.encode(text)"
         )
-    if isinstance(token_ids, torch.Tensor | np.ndarray):
+    if type(token_ids) is list or type(token_ids) is tuple:
+        ids, typed = tuple(token_ids), False
+    elif isinstance(token_ids, torch.Tensor | np.ndarray):
         if token_ids.ndim != 1:
             raise ValueError(f"{what} must be 1-D, got shape {tuple(token_ids.shape)}")
         if isinstance(token_ids, torch.Tensor):
@@ -65,21 +112,28 @@ def as_token_ids(token_ids: Any, what: str, vocab_size: int) -> tuple[int, ...]:
             integer = bool(np.issubdtype(token_ids.dtype, np.integer))
         if not integer:
             raise TypeError(f"{what} must hold integers, got dtype {token_ids.dtype}")
-        ids = tuple(int(t) for t in token_ids.tolist())
+        ids, typed = tuple(token_ids.tolist()), True  # Python ints
     elif isinstance(token_ids, Sequence):
-        ids = tuple(token_ids)
-        if ids and set(map(type, ids)) != {int}:  # the common case costs one C-level pass
-            out = []
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
-                out.append(int(t))
-            ids = tuple(out)
+        ids, typed = tuple(token_ids), False
     else:
         raise TypeError(f"{what} must be a sequence of int token ids, got {type(token_ids).__name__}")
-    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+    if not ids:
+        return ids
+    if not typed and set(map(type, ids)) != {int}:  # the common case costs one C-level pass
+        out = []
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
+            out.append(int(t))
+        ids = tuple(out)
+    # Every id is an int now, so equal tuples hold the same ids: a known prefix needs no range check.
+    if known is not None and known.covers(ids):
+        return ids
+    if min(ids) < 0 or max(ids) >= vocab_size:
         i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         raise ValueError(f"{what} holds token id {t} at index {i}, outside the vocabulary [0, {vocab_size})")
+    if known is not None:
+        known.add(ids)
     return ids
 
 
@@ -261,7 +315,11 @@ class AsyncLM(ABC):
     def _check_ids(self, token_ids: Any, what: str = "token_ids") -> tuple[int, ...]:
         """Validate one prompt (non-empty, ids in the vocabulary, and shorter than
         ``max_model_len`` where the model has one); returns a tuple of ints."""
-        ids = as_token_ids(token_ids, what, self.vocab_size)
+        vocab_size = self.vocab_size
+        known = self.__dict__.get("_known_ids")
+        if known is None or known.vocab_size != vocab_size:
+            known = self.__dict__["_known_ids"] = KnownIds(vocab_size)
+        ids = as_token_ids(token_ids, what, vocab_size, known)
         if not ids:
             raise ValueError(f"{what} is empty: a prompt needs at least one token (e.g. the BOS token)")
         limit = getattr(self, "max_model_len", None)

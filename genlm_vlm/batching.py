@@ -1,15 +1,13 @@
 """Batching concurrent asyncio awaits into groups for an engine that batches continuously.
 
-Many coroutines (e.g. SMC particles) ``await batcher.submit(request, key)``; the
-:class:`AutoBatcher` collects the requests of one event-loop pass (or of ``timeout`` seconds)
-into groups of at most ``batch_size`` and hands each to ``start``, which returns one
-``concurrent.futures.Future`` per request; each awaiter is resolved when its own future is, from
-whatever thread completes it. Identical keys in flight are computed once and cached values
+Many coroutines (e.g. SMC particles) ``await batcher.submit(request, key)``, or one awaits
+``submit_many`` for a whole batch (no task per request); the :class:`AutoBatcher` collects the
+requests of one event-loop pass (or of ``timeout`` seconds) into groups of at most ``batch_size``
+and hands each to ``start``. Identical keys in flight are computed once and cached values
 answered at once (:func:`lookup`, the cache-and-dedup step the blocking paths take too through
 :class:`KeyPlan`); work nobody waits for any more is dropped or its future cancelled (the engine
 aborts it); failures, :meth:`AutoBatcher.reset` and :meth:`AutoBatcher.close` resolve exactly
-the awaiters concerned, so nothing ever hangs.
-"""
+the awaiters concerned, so nothing ever hangs."""
 
 from __future__ import annotations
 
@@ -24,27 +22,17 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._mailbox import Mailbox
+from .cache import owns_its_memory
+from .dedup import KeyPlan, lookup
+
 if TYPE_CHECKING:
     from .cache import OutputCache
-
-from .dedup import KeyPlan, lookup
 
 __all__ = ["AutoBatcher", "KeyPlan", "lookup"]
 
 R = TypeVar("R")
 V = TypeVar("V")
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _owns_its_memory(value: Any) -> bool:
-    """False for a tensor that is a view into a larger one (anything else: True)."""
-    storage = getattr(value, "untyped_storage", None)
-    if storage is None:
-        return True
-    return value.storage_offset() == 0 and storage().nbytes() == value.numel() * value.element_size()
 
 
 @dataclass(eq=False)
@@ -56,55 +44,12 @@ class _Entry:
     request: Any
     waiters: set[asyncio.Future] = field(default_factory=set)
     handle: Any = None  # the engine's future or ticket, once dispatched (has .cancel())
-    exclusive: bool = False  # the value went to one awaiter and nowhere else: no copy needed
+    owner: asyncio.Future | None = None  # the awaiter that takes the value itself (no copy)
+    asks: int = 1  # submits that wanted this computation (joins included): the cache's admission
 
     def live(self) -> bool:
         """True if at least one awaiter still wants the result."""
         return any(not f.done() for f in self.waiters)
-
-
-class _Mailbox:
-    """Carries engine-thread completions to one event loop, one loop callback per burst.
-
-    An engine step that finishes 256 requests posts 256 items but wakes the loop once (each
-    ``call_soon_threadsafe`` writes to the loop's self-pipe); the loop then handles them in
-    order. A closed loop drops the items: nobody can be waiting on it any more.
-    """
-
-    __slots__ = ("handler", "items", "lock", "loop", "scheduled")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, handler: Callable[..., None]) -> None:
-        self.loop = loop
-        self.handler = handler
-        self.lock = threading.Lock()
-        self.items: list[tuple[Any, ...]] = []
-        self.scheduled = False
-
-    def post(self, *item: Any) -> None:
-        """Queue ``handler(*item)`` on the loop (any thread)."""
-        with self.lock:
-            self.items.append(item)
-            if self.scheduled:
-                return
-            self.scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed
-            with self.lock:
-                self.items.clear()
-                self.scheduled = False
-
-    def _drain(self) -> None:
-        with self.lock:
-            items, self.items = self.items, []
-            self.scheduled = False
-        for item in items:
-            try:
-                self.handler(*item)
-            except BaseException as exc:  # noqa: BLE001 - reported, and the rest still delivered
-                self.loop.call_exception_handler(
-                    {"message": "genlm_vlm: delivering a result failed", "exception": exc}
-                )
 
 
 class AutoBatcher(Generic[R, V]):
@@ -120,9 +65,13 @@ class AutoBatcher(Generic[R, V]):
         timeout: Seconds to wait for stragglers after the first request of an idle period
             (``0`` = flush at the next event-loop pass).
         cache: Optional :class:`~genlm_vlm.cache.OutputCache`; keys are looked up on submit
-            and computed values are stored.
-        deliver: Applied to the value once per awaiter (cache hits included), in the
-            awaiter's own task; e.g. ``torch.Tensor.clone``.
+            and computed values are offered to it (:meth:`~genlm_vlm.cache.OutputCache.offer`:
+            kept once a key has been asked for twice, by joined submits or over time). A value
+            the cache did not keep goes to one awaiter as is (in burst mode, unless it is a view
+            into a larger tensor).
+        deliver: Applied to the value once per awaiter (cache hits included; not for the one
+            awaiter that takes a value nobody else keeps), in the awaiter's own task; e.g.
+            ``torch.Tensor.clone``.
         dedupe: If true, requests with equal keys pending or in flight together share one
             computation. If false, every submit is its own entry (e.g. for sampling); an
             explicit ``key`` is then used for the cache only.
@@ -148,7 +97,7 @@ class AutoBatcher(Generic[R, V]):
         batch_size: int = 256,
         timeout: float = 0.0,
         cache: OutputCache | None = None,
-        deliver: Callable[[V], V] = _identity,
+        deliver: Callable[[V], V] | None = None,
         dedupe: bool = True,
         name: str = "batcher",
         bursts: bool = False,
@@ -161,7 +110,7 @@ class AutoBatcher(Generic[R, V]):
         self.batch_size = int(batch_size)
         self.timeout = float(timeout)
         self.cache = cache
-        self._deliver = deliver
+        self._deliver: Callable[[V], V] = deliver if deliver is not None else (lambda value: value)
         self.dedupe = bool(dedupe)
         self.name = name
         self._bursts = bool(bursts)
@@ -172,7 +121,7 @@ class AutoBatcher(Generic[R, V]):
         self._pending: dict[Hashable, _Entry] = {}  # insertion-ordered, not yet dispatched
         self._inflight: dict[Hashable, _Entry] = {}  # dispatched, engine future not done
         self._flush_handle: asyncio.Handle | None = None
-        self._mailbox: _Mailbox | None = None  # completions on their way to the loop
+        self._mailbox: Mailbox | None = None  # completions on their way to the loop
         self._generation = 0  # bumped by reset(); completions of older entries are dropped
         self._closed = False
         self._counts: Counter[str] = Counter()  # the counters of ``stats`` (loop thread)
@@ -222,11 +171,53 @@ class AutoBatcher(Generic[R, V]):
         computation, or ``CancelledError`` if the awaiter was cancelled (by its task or by
         :meth:`reset`).
         """
+        value, entry, fut = self._enter(request, key, self._running_loop())
+        if entry is None:
+            return value
+        try:
+            value = await fut
+        finally:
+            own = fut is entry.owner
+            self._release(entry, fut)
+        return value if own else self._deliver(value)
+
+    async def submit_many(self, requests: Sequence[R], keys: Sequence[Hashable | None]) -> list[V]:
+        """``[await submit(r, k) for ...]`` as one awaiter: the same groups, dedup, cache and
+        hand-over, without a task per request. The first failure is raised and every request of
+        the call nobody else waits for is dropped (its engine work aborted)."""
+        loop = self._running_loop()
+        out: list[Any] = []
+        waits: list[tuple[int, _Entry, asyncio.Future]] = []
+        ok = False
+        try:
+            for i, (request, key) in enumerate(zip(requests, keys, strict=True)):
+                value, entry, fut = self._enter(request, key, loop)
+                out.append(value)
+                if entry is not None:
+                    waits.append((i, entry, fut))  # type: ignore[arg-type]
+            for _, _, fut in waits:
+                await fut  # one suspension per burst of results: the rest are done by then
+            ok = True
+        finally:
+            for i, entry, fut in waits:
+                own = fut is entry.owner
+                self._release(entry, fut)
+                if ok:
+                    out[i] = fut.result() if own else self._deliver(fut.result())
+        return out
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
+        return loop
+
+    def _enter(self, request: R, key: Hashable | None,
+               loop: asyncio.AbstractEventLoop) -> tuple[Any, _Entry | None, asyncio.Future | None]:
+        """One request's cache-and-dedup step: ``(delivered cache hit, None, None)``, or
+        ``(None, entry, future)`` with a new future among the entry's waiters."""
         self._counts["requests"] += 1
         if self.dedupe:
             key = request if key is None else key
@@ -235,22 +226,19 @@ class AutoBatcher(Generic[R, V]):
             how, found = lookup(key, self.cache) if key is not None else ("new", None)
         if how == "cached":
             self._counts["cache_hits"] += 1
-            return self._deliver(found)
+            return self._deliver(found), None, None
         fut = loop.create_future()
         if how == "joined":
             self._counts["dedup_joins"] += 1
             entry = found
+            entry.asks += 1
             entry.waiters.add(fut)
         else:
             entry = _Entry(key=key if self.dedupe else object(), cache_key=key,
                            request=request, waiters={fut})
             self._pending[entry.key] = entry
             self._schedule()
-        try:
-            value = await fut
-        finally:
-            self._release(entry, fut)
-        return value if entry.exclusive else self._deliver(value)
+        return None, entry, fut
 
     def _release(self, entry: _Entry, fut: asyncio.Future) -> None:
         """Detach a finished (or abandoned) awaiter; drop the entry once nobody waits for it."""
@@ -259,6 +247,8 @@ class AutoBatcher(Generic[R, V]):
         elif not fut.cancelled():
             fut.exception()  # mark as retrieved: no "exception never retrieved" log
         entry.waiters.discard(fut)
+        if entry.owner is fut:
+            entry.owner = None  # the entry must not keep the value alive
         if entry.live():
             return
         if self._pending.get(entry.key) is entry:
@@ -358,7 +348,7 @@ class AutoBatcher(Generic[R, V]):
             return
         box = self._mailbox
         if box is None or box.loop is not self._loop:
-            box = self._mailbox = _Mailbox(self._loop, self._on_entry_done)
+            box = self._mailbox = Mailbox(self._loop, self._on_entry_done)
         for e, handle in zip(group, handles, strict=True):
             e.handle = handle
             self._inflight[e.key] = e
@@ -407,6 +397,7 @@ class AutoBatcher(Generic[R, V]):
         """An entry's computation ended: cache its value and resolve its awaiters."""
         if self._inflight.get(entry.key) is entry:
             del self._inflight[entry.key]
+        entry.handle = None  # done with it; and entry -> ticket -> entry would be a reference cycle
         if generation != self._generation:
             return  # reset meanwhile: its awaiters were resolved then
         if cancelled:
@@ -416,19 +407,20 @@ class AutoBatcher(Generic[R, V]):
         if exc is not None:
             self._resolve_exc(entry, exc)
             return
-        # A cache that stores nothing (``cache_size=0``) keeps no reference: no copy for it.
-        cached = self.cache is not None and entry.cache_key is not None and getattr(self.cache, "enabled", True)
-        if cached:
-            try:
-                self.cache.put(entry.cache_key, value)  # type: ignore[union-attr]
+        stored = False
+        if self.cache is not None and entry.cache_key is not None:
+            try:  # the cache keeps a value asked for twice (together, or once before)
+                stored = self.cache.offer(entry.cache_key, value, entry.asks)
             except Exception as cache_exc:  # noqa: BLE001 - goes to this entry's awaiters
                 self._resolve_exc(entry, cache_exc)
                 return
         live = [f for f in entry.waiters if not f.done()]
-        # The value is the engine's fresh object: one awaiter and no cache may keep it as is,
-        # unless it is a view into a larger tensor (rows moved between devices in one batch, or
-        # an accelerator's batched capture), which would keep the whole batch alive.
-        entry.exclusive = self._bursts and not cached and len(live) == 1 and _owns_its_memory(value)
+        # The value is the engine's fresh object: when the cache did not keep it, one awaiter may
+        # take it as is (the others get copies), unless it is a view into a larger tensor (rows
+        # moved between devices in one batch, an accelerator's batched capture), which would
+        # keep the whole batch alive.
+        if self._bursts and not stored and live and owns_its_memory(value):
+            entry.owner = live[0]
         for f in live:
             f.set_result(value)
 

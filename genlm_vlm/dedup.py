@@ -97,22 +97,28 @@ class KeyPlan(Generic[V]):
         self.cache = cache
         self.values: dict[Hashable, V] = {}
         self.todo: dict[Hashable, int] = {}
+        self.asks: dict[Hashable, int] = {}  # how often each key of todo is asked for
         self.cache_hits = 0
         self.dedup_joins = 0
         for i, key in enumerate(keys):
             how, value = lookup(key, cache, self.values, self.todo)
             if how == "joined":
                 self.dedup_joins += 1
+                if key in self.asks:
+                    self.asks[key] += 1
             elif how == "cached":
                 self.values[key] = value
                 self.cache_hits += 1
             else:
                 self.todo[key] = i
+                self.asks[key] = 1
 
     def fill(self, key: Hashable, value: V) -> None:
-        """The computed value of ``key`` (stored in the cache too)."""
+        """The computed value of ``key`` (offered to the cache too: kept there once ``key`` has
+        been asked for twice, in this call or before, see
+        :meth:`~genlm_vlm.cache.OutputCache.offer`)."""
         if self.cache is not None:
-            self.cache.put(key, value)
+            self.cache.offer(key, value, self.asks.get(key, 1))
         self.values[key] = value
 
     def results(self) -> list[V]:

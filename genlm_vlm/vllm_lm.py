@@ -62,8 +62,10 @@ class AsyncVirtualLM(ServingLM):
     keeps them on the engine's device). Every returned tensor is the caller's own copy.
 
     Results are cached per ``(adapter, token ids)`` in an :class:`~genlm_vlm.cache.OutputCache`
-    bounded by ``cache_size`` entries and ``cache_opts["max_bytes"]`` bytes; identical prompts in
-    flight are computed once, awaited or blocking (one cache-and-dedup step,
+    bounded by ``cache_size`` entries and ``cache_opts["max_bytes"]`` bytes, which keeps a row
+    the second time it is computed (``cache_opts["admit_after"]``: 2; 1 keeps every row), so a
+    workload that never asks twice (SMC) pays nothing for it; identical prompts in flight are
+    computed once, awaited or blocking (one cache-and-dedup step,
     :func:`genlm_vlm.batching.lookup`). Blocking calls send at most ``chunk_size`` prompts per
     engine call and halve a chunk that runs out of memory, down to ``min_chunk_size``. Without a
     ``seed``, ``sample`` draws with vLLM's sampler; with one, genlm_vlm draws from the model's
@@ -265,6 +267,10 @@ class AsyncVirtualLM(ServingLM):
     async def _row(self, query: Query) -> torch.Tensor:
         return await self._logprob_batcher.submit(query, query.key)
 
+    async def _rows(self, queries: list[Query]) -> torch.Tensor:
+        # One awaiter for the whole batch (no task per query); the same groups, dedup and cache.
+        return torch.stack(await self._logprob_batcher.submit_many(queries, [q.key for q in queries]))
+
     async def _samples(self, specs: list[SampleArgs], adapter: Adapter | None) -> list[list[int]]:
         return list(await asyncio.gather(*(self._sample_batcher.submit((s, adapter)) for s in specs)))
 
@@ -343,9 +349,13 @@ class AsyncVirtualLM(ServingLM):
     def warm_up(self, prefix_token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Prime the engine's prefix cache (and this object's output cache) for a shared prompt.
 
-        Later prompts that extend ``prefix_token_ids`` reuse its KV blocks. Returns its row.
+        Later prompts that extend ``prefix_token_ids`` reuse its KV blocks, and its row is kept
+        in the output cache (whatever ``admit_after`` says). Returns its row.
         """
-        return self.next_token_logprobs_sync(prefix_token_ids, lora_name=lora_name)
+        query = self._query(prefix_token_ids, lora_name)
+        row = self._rows_sync([query], None, False)[0]
+        self.cache.put(query.key, row.clone())  # the caller's row stays its own
+        return row
 
     def clear_cache(self) -> None:
         """Drop every cached row and release every idle session (the engine's prefix cache is

@@ -170,7 +170,8 @@ async def test_cache_hits_skip_engine_and_are_private(llama_lm):
     lm = llama_lm
     lm.clear_cache()
     p = [5, 6, 7, 8, 9]
-    a = await lm.next_token_logprobs(p)
+    await lm.next_token_logprobs(p)  # asked once: not kept
+    a = await lm.next_token_logprobs(p)  # asked a second time: kept
     calls = lm.stats["engine_requests"]
     a.zero_()
     b = await lm.next_token_logprobs(p)

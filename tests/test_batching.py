@@ -212,7 +212,7 @@ async def test_without_dedupe_every_submit_is_sent():
 
 async def test_cache_hits_skip_start_and_each_awaiter_gets_its_own_copy():
     fake = FakeStart()
-    cache = OutputCache(max_entries=10)
+    cache = OutputCache(max_entries=10, admit_after=1)
     b = AutoBatcher(fake, cache=cache, deliver=torch.Tensor.clone)
     task = asyncio.create_task(b.submit("p", ("k", 1)))
     await fake.wait_groups(1)
@@ -226,6 +226,63 @@ async def test_cache_hits_skip_start_and_each_awaiter_gets_its_own_copy():
         assert torch.equal(row, computed) and row.data_ptr() != computed.data_ptr()
     hits[0][0] = 99.0  # a caller's copy is its own
     assert computed[0] == 0.0
+
+
+async def test_a_row_is_cached_the_second_time_it_is_computed():
+    """Default admission: the first computation of a key is handed over and not kept (only its
+    hash is remembered); the second is kept; later awaits are hits, each caller with its own
+    copy, and mutating any of them (through torch or numpy) changes nothing for the others."""
+    fake = BurstStart()
+    cache = OutputCache(max_entries=10)
+    b = AutoBatcher(fake, bursts=True, cache=cache, deliver=torch.Tensor.clone)
+    values = [torch.arange(4.0), torch.arange(4.0)]
+    got = []
+    for i in range(2):
+        task = asyncio.ensure_future(b.submit("p"))
+        await fake.wait_calls(i + 1)
+        fake.report(i, {"p": values[i]})
+        got.append(await one(task))
+    assert got[0] is values[0]  # first computation: nobody else keeps it, so no copy
+    assert cache.get("p") is values[1] and got[1] is not values[1]  # second: kept, the caller has a copy
+    assert cache.stats()["not_admitted"] == 1 and len(fake.calls) == 2
+    hits = await settle(b.submit("p"), b.submit("p"))
+    assert len(fake.calls) == 2 and b.stats["cache_hits"] == 2
+    got[1][0] = 50.0
+    hits[0].numpy()[1] = 60.0
+    hits[1].add_(1.0)
+    assert torch.equal(values[1], torch.arange(4.0))
+    assert torch.equal(await one(b.submit("p")), torch.arange(4.0))
+
+
+async def test_awaiters_joined_on_one_computation_count_as_asking_twice():
+    """Identical prompts in flight together share one computation; the cache keeps its value
+    (it was asked for twice) and every awaiter gets a copy of its own."""
+    fake = BurstStart()
+    cache = OutputCache(10)
+    b = AutoBatcher(fake, bursts=True, cache=cache, deliver=torch.Tensor.clone)
+    tasks = [asyncio.ensure_future(b.submit("d")) for _ in range(3)]
+    await fake.wait_calls(1)
+    value = torch.zeros(3)
+    fake.report(0, {"d": value})
+    rows = await settle(*tasks)
+    assert cache.get("d") is value and all(r is not value for r in rows)
+    rows[0].numpy()[:] = 7.0
+    rows[1].add_(1.0)
+    assert torch.equal(value, torch.zeros(3)) and torch.equal(rows[2], torch.zeros(3))
+    assert torch.equal(await one(b.submit("d")), torch.zeros(3)) and len(fake.calls) == 1
+
+
+async def test_one_of_several_awaiters_takes_a_value_nobody_keeps():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True, cache=OutputCache(0), deliver=torch.Tensor.clone)
+    tasks = [asyncio.ensure_future(b.submit("d")) for _ in range(3)]
+    await fake.wait_calls(1)
+    value = torch.zeros(3)
+    fake.report(0, {"d": value})
+    rows = await settle(*tasks)
+    assert sum(r is value for r in rows) == 1 and len({r.data_ptr() for r in rows}) == 3
+    rows[0].numpy()[:] = 7.0  # each caller's row is its own
+    assert sum(float(r[0]) == 7.0 for r in rows) == 1
 
 
 async def test_a_failed_entry_is_not_cached():
@@ -260,7 +317,12 @@ def test_lookup_and_keyplan_share_one_step():
     plan.fill("a", torch.ones(2))
     plan.fill("b", torch.full((2,), 2.0))
     assert [float(v[0]) for v in plan.results()] == [1.0, 0.0, 1.0, 2.0, 0.0]
-    assert "a" in cache and "b" in cache  # computed values are cached for the next call
+    assert "a" in cache  # asked for twice in the call: kept for the next call
+    assert "b" not in cache  # asked for once: only its key is remembered
+    again: KeyPlan[torch.Tensor] = KeyPlan(["b", "a"], cache)
+    assert again.todo == {"b": 0} and again.cache_hits == 1
+    again.fill("b", torch.full((2,), 2.0))
+    assert "b" in cache  # asked for a second time: kept for the next call
 
 
 # ---------------------------------------------------------------------------------- cancellation
@@ -519,8 +581,8 @@ async def test_bursts_deliver_a_whole_group_in_one_loop_hop():
 
 
 async def test_bursts_copy_only_what_is_shared():
-    """One awaiter and no cache: the engine's fresh value is handed over as is; a value that
-    two awaiters share, or that the cache keeps, goes through ``deliver`` (a copy) per awaiter."""
+    """A value the cache does not keep goes to one awaiter as is; the others sharing it, and
+    every awaiter of a value the cache keeps, get ``deliver`` (a copy)."""
     fake = BurstStart()
     b = AutoBatcher(fake, bursts=True, deliver=torch.Tensor.clone)
     solo, dup1 = torch.zeros(3), torch.ones(3)
@@ -529,8 +591,9 @@ async def test_bursts_copy_only_what_is_shared():
     fake.report(0, {"solo": solo, "dup": dup1})
     got_solo, got1, got2 = await settle(*tasks)
     assert got_solo is solo
-    assert got1 is not dup1 and got2 is not dup1 and got1 is not got2 and torch.equal(got1, dup1)
-    cached = AutoBatcher(BurstStart(), bursts=True, deliver=torch.Tensor.clone, cache=OutputCache(10))
+    assert (got1 is dup1) != (got2 is dup1) and got1 is not got2 and torch.equal(got1, got2)
+    cached = AutoBatcher(BurstStart(), bursts=True, deliver=torch.Tensor.clone,
+                         cache=OutputCache(10, admit_after=1))
     task = asyncio.ensure_future(cached.submit("k"))
     await cached._start.wait_calls(1)
     value = torch.full((2,), 7.0)
@@ -571,3 +634,54 @@ async def test_bursts_failures_cancellation_and_reset():
     fake.report(1)  # a late result after the reset is dropped
     await passes(2)
     assert b.num_inflight == 0
+
+
+async def test_submit_many_joins_the_same_groups_without_a_task_per_request():
+    """One batch call and a lone await of the same pass go out as one group; duplicates within
+    the call are computed once (kept by the cache: asked twice), cache hits are answered at once,
+    and every position gets a value of its own."""
+    fake = BurstStart()
+    cache = OutputCache(10)
+    b = AutoBatcher(fake, bursts=True, cache=cache, deliver=torch.Tensor.clone)
+    cache.put("hit", torch.full((2,), 9.0))
+    tasks_before = len(asyncio.all_tasks())
+    many = asyncio.ensure_future(b.submit_many(["a", "b", "a", "hit"], ["a", "b", "a", "hit"]))
+    lone = asyncio.ensure_future(b.submit("c"))
+    await fake.wait_calls(1)
+    assert len(asyncio.all_tasks()) == tasks_before + 2  # the two awaiters, nothing per request
+    assert fake.calls[0][0] == ["a", "b", "c"]
+    values = {r: torch.full((2,), float(i)) for i, r in enumerate("abc")}
+    fake.report(0, values)
+    got, c = await settle(many, lone)
+    assert [float(r[0]) for r in got] == [0.0, 1.0, 0.0, 9.0] and float(c[0]) == 2.0
+    assert got[1] is values["b"] and c is values["c"]  # asked once: handed over as is
+    assert len({r.data_ptr() for r in got}) == 4 and cache.get("a") is values["a"]
+    assert b.stats["requests"] == 5 and b.stats["dedup_joins"] == 1 and b.stats["cache_hits"] == 1
+
+
+async def test_submit_many_raises_the_first_failure_and_drops_the_rest():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True)
+    other = asyncio.ensure_future(b.submit("y"))  # another awaiter of "y" keeps it alive
+    many = asyncio.ensure_future(b.submit_many(["x", "y", "z"], ["x", "y", "z"]))
+    await fake.wait_calls(1)
+    requests, listener, tickets = fake.calls[0]
+    listener([(tickets[requests.index("x")], None, ValueError("bad row"))])
+    with pytest.raises(ValueError, match="bad row"):
+        await one(many)
+    assert [t.payload.request for t in fake.cancelled] == ["z"]  # nobody else waits for z
+    fake.report(0)
+    assert await one(other) == value_of("y")
+    assert b.num_inflight == 0
+
+
+async def test_submit_many_cancelled_releases_every_request():
+    fake = BurstStart()
+    b = AutoBatcher(fake, bursts=True)
+    many = asyncio.ensure_future(b.submit_many(["p", "q"], ["p", "q"]))
+    await fake.wait_calls(1)
+    many.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await one(many)
+    assert sorted(t.payload.request for t in fake.cancelled) == ["p", "q"] and b.num_inflight == 0
+    assert await b.submit_many([], []) == []

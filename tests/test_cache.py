@@ -117,6 +117,58 @@ def test_from_options():
     assert not OutputCache.from_options(0, None).enabled
     with pytest.raises(ValueError, match="unknown cache_opts"):
         OutputCache.from_options(10, {"max_byte": 5})
+    assert OutputCache.from_options(10, None).admit_after == 2
+    assert OutputCache.from_options(10, {"admit_after": 1}).admit_after == 1
+    for bad in (0, 3, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="admit_after must be 1"):
+            OutputCache.from_options(10, {"admit_after": bad})
+
+
+def test_offer_keeps_a_value_the_second_time_its_key_is_offered():
+    c = OutputCache(max_entries=10, max_bytes=None)
+    first, second = vec(4, 1.0), vec(4, 2.0)
+    assert c.offer("k", first) is False  # first computation: only the key's hash is remembered
+    assert "k" not in c and len(c) == 0 and c.nbytes == 0 and c.not_admitted == 1
+    assert c.offer("k", second) is True
+    assert c.get("k") is second and c.not_admitted == 1
+    assert c.offer(("a", (1, 2)), vec(1)) is False  # other keys are not affected
+    c.clear()  # forgets the remembered keys too
+    assert c.offer("k", vec(4)) is False and "k" not in c
+    assert c.offer("j", vec(1), asks=2) is True  # asked for by two callers of one computation
+    every = OutputCache(max_entries=10, max_bytes=None, admit_after=1)
+    assert every.offer("k", first) is True and every.get("k") is first and every.not_admitted == 0
+    off = OutputCache(max_entries=0)
+    assert off.offer("k", first) is False and off.offer("k", first) is False and off.not_admitted == 0
+
+
+def test_offer_remembers_a_bounded_number_of_keys():
+    c = OutputCache(max_entries=4, max_bytes=None)
+    for i in range(40):
+        assert c.offer(i, vec(1)) is False
+    assert len(c._seen) + len(c._seen_old) <= 8  # two generations of max_entries hashes at most
+    assert c.offer(39, vec(1)) is True  # a recent key is still known
+    assert c.offer(0, vec(1)) is False  # an old one was forgotten
+
+
+def test_views_are_stored_compact_so_the_byte_bound_counts_what_is_kept():
+    """A row that is a view into a batched [N, V] tensor would keep the whole batch alive: the
+    cache stores a compact copy, so ``nbytes`` and ``max_bytes`` count the bytes really kept."""
+    batch = torch.randn(64, 1000)
+    c = OutputCache(max_entries=None, max_bytes=10 * 1000 * 4, admit_after=1)
+    for i in range(64):
+        assert c.put(i, batch[i]) is True
+    with c._lock:
+        stored = list(c._lru.values())
+    assert len(stored) == 10 and c.nbytes == 10 * 1000 * 4
+    for v in stored:
+        assert v.untyped_storage().nbytes() == 1000 * 4 and v.data_ptr() != batch.data_ptr()
+    assert sum(v.untyped_storage().nbytes() for v in stored) <= c.max_bytes
+    assert torch.equal(c.get(63), batch[63])
+    batch[63] += 1.0  # the batch's owner may reuse it: the cached row is not affected
+    assert not torch.equal(c.get(63), batch[63])
+    own = torch.randn(1000)
+    c.put("own", own)
+    assert c.get("own") is own  # a tensor that owns its memory is kept as it is
 
 
 def test_tensor_nbytes():
@@ -136,9 +188,11 @@ def test_stats_snapshot():
         "nbytes": 4,
         "max_entries": 1,
         "max_bytes": None,
+        "admit_after": 2,
         "hits": 1,
         "misses": 1,
         "evictions": 1,
+        "not_admitted": 0,
     }
 
 

@@ -180,6 +180,7 @@ class Outbox:
             if w.done():
                 return
             w.resolved = True
+            w.job = None  # job -> ticket -> job would keep both (and the caller's payload) until a GC pass
             self.by_listener.setdefault(w.listener, []).append((w, value, exc))
         elif not w.done() and w.set_running_or_notify_cancel():
             if exc is not None:

@@ -240,8 +240,13 @@ CPU_MALLOPT = {
     -3: 32 << 20,  # M_MMAP_THRESHOLD: rows (up to 600 KB at 152k columns) come from the heap
     -1: 512 << 20,  # M_TRIM_THRESHOLD: keep up to 512 MiB of freed heap instead of unmapping it
     -2: 64 << 20,  # M_TOP_PAD: grow the heap in 64 MiB steps
+    # M_MMAP_MAX: no mmap at all. glibc caps M_MMAP_THRESHOLD at 32 MiB, so a stacked [N, V]
+    # batch of 32 MiB or more (256 rows of 32k columns, 64 of 152k) was mapped and faulted in
+    # afresh at every SMC step (about 2 us per 4 KiB page on a 2-core VM: 15 ms a step).
+    -4: 0,
 }
-_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
+               "MALLOC_MMAP_MAX_")
 _tuned: bool | None = None
 
 
@@ -250,8 +255,10 @@ def tune_cpu_allocator() -> bool:
 
     Every row is a fresh tensor (600 KB at 151,936 columns); with glibc's defaults each step's rows
     are unmapped when freed and faulted in again at the next step, which cost more than the rest
-    of genlm_vlm's host work per row (benchmarks/bench_host.py). Applied through ``mallopt`` with
-    :data:`CPU_MALLOPT`: freed memory up to ``M_TRIM_THRESHOLD`` per heap stays with the process.
+    of genlm_vlm's host work per row (benchmarks/bench_host.py); the same held for an ``[N, V]``
+    batch of rows (``torch.stack``) of 32 MiB or more, which glibc always maps afresh unless
+    ``M_MMAP_MAX`` is 0. Applied through ``mallopt`` with :data:`CPU_MALLOPT`: freed memory up
+    to ``M_TRIM_THRESHOLD`` per heap stays with the process.
     Skipped (False) when the C library is not glibc, when the user set any ``MALLOC_*`` variable
     of :data:`_MALLOC_ENV` (theirs wins), or with ``GENLM_VLM_MALLOPT=0``.
     """
