@@ -35,9 +35,12 @@ class ClosedError(RuntimeError):
     """The model was cleaned up; it accepts no more calls."""
 
 
-#: Prefixes per engine call in :meth:`AsyncLM.continuation_logprobs` (bounds memory to
-#: ``chunk_size`` rows of ``vocab_size`` floats).
+#: Prefixes per engine call in :meth:`AsyncLM.continuation_logprobs` on the row path (bounds
+#: memory to ``chunk_size`` rows of ``vocab_size`` floats).
 SCORE_CHUNK_SIZE = 128
+#: ``method`` of the scoring methods: ``"auto"`` (vLLM's prompt log-probabilities where the model
+#: supports them, else rows) or ``"rows"`` (one full row per prefix, always).
+SCORE_METHODS = ("auto", "rows")
 
 
 def _fit(vocab: list[T], size: int, empty: T) -> list[T]:
@@ -318,6 +321,35 @@ class AsyncLM(ABC):
         return int(k)
 
     # ------------------------------------------------------------------ scoring and top-k
+    # Two ways to score a continuation: from vLLM's prompt log-probabilities (one prefill, a few
+    # engine requests per record, no full rows: models that drive an engine override the hooks
+    # below) or from one full row per prefix (everything else, and ``method="rows"``).
+    async def _direct_scores(
+        self, prompt: tuple[int, ...], continuation: tuple[int, ...], lora_name: str | None, top_k: int, method: str
+    ) -> Any | None:
+        """Score ``continuation`` (and the ``top_k`` after ``prompt``) without rows (hook): an
+        object with ``logprobs`` (float32 CPU ``[n]``), ``top_ids``, ``top_logprobs``, or None
+        when the rows must do it. Arguments are validated already."""
+        return None
+
+    def _score_futures(self, items: Sequence[tuple[Any, ...]], method: str = "auto") -> list[Any] | None:
+        """Blocking form of :meth:`_direct_scores` (hook): one ``concurrent.futures.Future``
+        per ``(prompt, continuation, lora_name, top_k)`` (resolving to the same object, or
+        failing for that item only), or None when the rows must do it. ``prompt`` and
+        ``continuation`` are validated token-id tuples."""
+        return None
+
+    def _score_args(
+        self, prompt_ids: Any, continuation_ids: Any, chunk_size: Any, method: Any
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Validate the arguments of the scoring methods; returns ``(prompt, continuation)``."""
+        prompt, cont = self._score_inputs(prompt_ids, continuation_ids)
+        if type(chunk_size) is not int or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if method not in SCORE_METHODS:
+            raise ValueError(f"method must be one of {', '.join(map(repr, SCORE_METHODS))}, got {method!r}")
+        return prompt, cont
+
     async def continuation_logprobs(
         self,
         prompt_ids: TokenIds,
@@ -325,16 +357,30 @@ class AsyncLM(ABC):
         *,
         lora_name: str | None = None,
         chunk_size: int = SCORE_CHUNK_SIZE,
+        method: str = "auto",
     ) -> torch.Tensor:
         """``log p(c_t | prompt + c_<t)`` for each continuation token ``c_t``: float32 CPU ``[n]``.
 
-        ``prompt_ids`` must be non-empty; an empty continuation gives an empty tensor. Needs the
-        rows of the prefixes ``prompt``, ``prompt + c_1``, ..., ``prompt + c_<n``, requested
-        ``chunk_size`` at a time through :meth:`batch_next_token_logprobs` (so they share batches
-        and caches with other awaits, and at most ``chunk_size`` rows are held at once).
+        ``prompt_ids`` must be non-empty; an empty continuation gives an empty tensor. Log-
+        probabilities are normalised over the full logit width, from the raw logits.
+
+        ``method="auto"``: where the model supports it (:class:`~genlm_vlm.AsyncVirtualLM` on
+        vLLM >= 0.32 with the default ``logprobs_mode``), the continuation is scored from vLLM's
+        prompt log-probabilities: one prefill, no full rows, batched with other awaits,
+        identical (prompt, continuation) pairs in flight computed once. Elsewhere, or with
+        ``method="rows"``, from the rows of the prefixes ``prompt``, ``prompt + c_1``, ...,
+        ``prompt + c_<n``, requested ``chunk_size`` at a time through
+        :meth:`batch_next_token_logprobs` (they share batches and the output cache with other
+        awaits; at most ``chunk_size`` rows are held at once). ``stats["scoring"]`` counts both.
         """
-        out, chunks = self._prefix_chunks(prompt_ids, continuation_ids, chunk_size)
-        for where, prefixes, targets in chunks:
+        prompt, cont = self._score_args(prompt_ids, continuation_ids, chunk_size, method)
+        if not cont:
+            return torch.empty(0, dtype=torch.float32)
+        found = await self._direct_scores(prompt, cont, lora_name, 0, method)
+        if found is not None:
+            return found.logprobs
+        out = torch.empty(len(cont), dtype=torch.float32)
+        for where, prefixes, targets in _prefix_chunks(prompt, cont, chunk_size):
             out[where] = _gather(await self.batch_next_token_logprobs(prefixes, lora_name=lora_name), targets)
         return out
 
@@ -345,58 +391,87 @@ class AsyncLM(ABC):
         *,
         lora_name: str | None = None,
         chunk_size: int = SCORE_CHUNK_SIZE,
+        method: str = "auto",
     ) -> torch.Tensor:
-        """Blocking :meth:`continuation_logprobs` (through :meth:`batch_next_token_logprobs_sync`)."""
-        out, chunks = self._prefix_chunks(prompt_ids, continuation_ids, chunk_size)
-        for where, prefixes, targets in chunks:
+        """Blocking :meth:`continuation_logprobs` (rows through :meth:`batch_next_token_logprobs_sync`)."""
+        prompt, cont = self._score_args(prompt_ids, continuation_ids, chunk_size, method)
+        if not cont:
+            return torch.empty(0, dtype=torch.float32)
+        futures = self._score_futures([(prompt, cont, lora_name, 0)], method)
+        if futures is not None:
+            return _wait_all(futures)[0].logprobs
+        out = torch.empty(len(cont), dtype=torch.float32)
+        for where, prefixes, targets in _prefix_chunks(prompt, cont, chunk_size):
             out[where] = _gather(self.batch_next_token_logprobs_sync(prefixes, lora_name=lora_name), targets)
         return out
 
-    def _prefix_chunks(
-        self, prompt_ids: Any, continuation_ids: Any, chunk_size: Any
-    ) -> tuple[torch.Tensor, Iterator[tuple[slice, list[tuple[int, ...]], tuple[int, ...]]]]:
-        """Validate the arguments of ``continuation_logprobs`` (now); returns the output tensor
-        ``[n]`` and, lazily, ``(where in it, the prefixes whose rows are needed, the tokens to
-        read from those rows)`` per chunk of at most ``chunk_size`` prefixes."""
-        prompt, cont = self._score_inputs(prompt_ids, continuation_ids)
-        if type(chunk_size) is not int or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-        def chunks() -> Iterator[tuple[slice, list[tuple[int, ...]], tuple[int, ...]]]:
-            for start in range(0, len(cont), chunk_size):
-                stop = min(start + chunk_size, len(cont))
-                yield slice(start, stop), [prompt + cont[:k] for k in range(start, stop)], cont[start:stop]
-
-        return torch.empty(len(cont), dtype=torch.float32), chunks()
-
     async def score(
-        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None
+        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None,
+        method: str = "auto",
     ) -> float:
-        """``log p(continuation | prompt)``: the sum of :meth:`continuation_logprobs` (0.0 if empty).
+        """``log p(continuation | prompt)``: the sum of :meth:`continuation_logprobs` (0.0 if empty),
+        summed in float64.
 
         No token is added: pass the BOS token in ``prompt_ids`` if the model expects one, and the
         EOS token at the end of ``continuation_ids`` to score a finished text.
         """
-        logps = await self.continuation_logprobs(prompt_ids, continuation_ids, lora_name=lora_name)
+        logps = await self.continuation_logprobs(prompt_ids, continuation_ids, lora_name=lora_name, method=method)
         return float(logps.double().sum())
 
     def score_sync(
-        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None
+        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None,
+        method: str = "auto",
     ) -> float:
         """Blocking :meth:`score`."""
-        logps = self.continuation_logprobs_sync(prompt_ids, continuation_ids, lora_name=lora_name)
+        logps = self.continuation_logprobs_sync(prompt_ids, continuation_ids, lora_name=lora_name, method=method)
         return float(logps.double().sum())
 
     async def next_token_topk(self, token_ids: TokenIds, k: int, *, lora_name: str | None = None) -> TopK:
         """The ``k`` most likely tokens after ``token_ids``: :class:`TopK` ``(token_ids, logprobs)``,
-        CPU tensors of length ``k``, most likely first (ties in no particular order)."""
+        CPU tensors of length ``k``, most likely first (ties in no particular order). Every
+        logit column counts, padded ones included (see :func:`genlm_vlm.without_padding`).
+
+        Where the model supports it and ``k`` is at most vLLM's ``max_logprobs`` (20 unless set in
+        ``engine_opts``), the top ``k`` come from vLLM's own top-k of the sampled position, and no
+        row is made; a row already in the output cache is used as is; otherwise from the row.
+        """
         k = self._check_k(k, self.vocab_size)
-        return _topk(await self.next_token_logprobs(token_ids, lora_name=lora_name), k)
+        ids = self._check_ids(token_ids)
+        found = await self._direct_scores(ids, (), lora_name, k, "auto")
+        if found is not None:
+            return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
+        return _topk(await self.next_token_logprobs(ids, lora_name=lora_name), k)
 
     def next_token_topk_sync(self, token_ids: TokenIds, k: int, *, lora_name: str | None = None) -> TopK:
         """Blocking :meth:`next_token_topk`."""
         k = self._check_k(k, self.vocab_size)
-        return _topk(self.next_token_logprobs_sync(token_ids, lora_name=lora_name), k)
+        ids = self._check_ids(token_ids)
+        futures = self._score_futures([(ids, (), lora_name, k)], "auto")
+        if futures is not None:
+            found = _wait_all(futures)[0]
+            return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
+        return _topk(self.next_token_logprobs_sync(ids, lora_name=lora_name), k)
+
+
+def _prefix_chunks(
+    prompt: tuple[int, ...], cont: tuple[int, ...], chunk_size: int
+) -> Iterator[tuple[slice, list[tuple[int, ...]], tuple[int, ...]]]:
+    """``(where in the output, the prefixes whose rows are needed, the tokens to read from those
+    rows)`` per chunk of at most ``chunk_size`` prefixes (the row path of the scoring methods)."""
+    for start in range(0, len(cont), chunk_size):
+        stop = min(start + chunk_size, len(cont))
+        yield slice(start, stop), [prompt + cont[:k] for k in range(start, stop)], cont[start:stop]
+
+
+def _wait_all(futures: Sequence[Any]) -> list[Any]:
+    """Results of ``concurrent.futures`` futures in order; on any error or interrupt (Ctrl-C) the
+    rest are cancelled (the engine aborts their work) and the error is re-raised."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 def _gather(rows: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:

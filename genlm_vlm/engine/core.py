@@ -402,6 +402,16 @@ class VLLMCore:
         )
         self._submit(self._make_request(rid, tokens, params, lora, False))
 
+    def scoring(self) -> Any:
+        """This engine's scoring requests (prompt log-probabilities; see :mod:`.prompt_logprobs`),
+        built on first use."""
+        requests = self.__dict__.get("_score_requests")
+        if requests is None:
+            from .prompt_logprobs import ScoreRequests
+
+            requests = self.__dict__["_score_requests"] = ScoreRequests(self)
+        return requests
+
     def abort(self, rids: list[str]) -> None:
         """Finish these requests (running, waiting or parked sessions) and free their KV blocks."""
         if rids:

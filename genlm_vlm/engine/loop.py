@@ -53,6 +53,8 @@ from .jobs import (
     Ticket,
     adapter_key,
 )
+from .prompt_logprobs import ScoringFacts, unsupported
+from .scoring import ScoreSpec
 from .steps import DEFAULT_KV_EVICT_THRESHOLD, MAX_STALLED_STEPS, StepLoop
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class EngineDriver:
         self.info: Any = None
         self.sessions_reason = ""
         self.log_stats = False
+        self.scoring: ScoringFacts = unsupported("the engine is not built")
         # --- engine thread only (built on it, once the core is up) ---
         self._loop: StepLoop | None = None
         self._thread = threading.Thread(target=self._main, args=(core_factory,), name=ENGINE_THREAD_PREFIX, daemon=True)
@@ -218,6 +221,14 @@ class EngineDriver:
             if spec.seed is not None:
                 job.generator = torch.Generator().manual_seed(spec.seed)
             jobs.append(job)
+        return self._submit(jobs, listener, payloads)
+
+    def submit_scores(self, specs: Sequence[ScoreSpec], listener: Listener | None = None,
+                      payloads: Sequence[Any] | None = None) -> list[Any]:
+        """Queue scoring queries (see :mod:`.scoring`); each resolves to a
+        :class:`~.scoring.ScoreResult` (CPU tensors the waiter owns). Needs ``scoring.supported``
+        (the waiters fail otherwise). Waiters as in :meth:`submit_logprobs`."""
+        jobs = [Job("score", spec.prompt + spec.continuation, spec.lora, [], spec=spec) for spec in specs]
         return self._submit(jobs, listener, payloads)
 
     def _submit(self, jobs: list[Job], listener: Listener | None, payloads: Sequence[Any] | None) -> list[Any]:
@@ -310,6 +321,7 @@ class EngineDriver:
                 core, self.info, self._inbox, self._wake, output_device=self.output_device,
                 max_sessions=self._max_sessions, kv_threshold=self._kv_threshold, parts=self._parts,
             )
+            self.scoring = self._loop._scoring.facts
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._start_error = e
             if self.core is not None:

@@ -23,6 +23,7 @@ from ..dedup import TokensKey
 from .build import ModelInfo
 from .core import EngineCore, StepResult
 from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
+from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class StepLoop:
         # Wall time of the engine thread since the loop started, split three ways (seconds):
         # inside core.step(), our own work, and waiting for work (the program's turn).
         self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
+        self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
 
     def run(self) -> None:
         clock = time.perf_counter
@@ -105,6 +107,7 @@ class StepLoop:
                 self.stop(stop)
                 return
             self._admit()
+            self._scoring.admit()
             if self._by_rid:
                 # Before the step too: vLLM counts parked sessions toward max_num_seqs and never
                 # preempts them, so after a resample the unchosen parents would keep forks waiting.
@@ -157,6 +160,9 @@ class StepLoop:
             job = queue[0]
             if not job.wanted():
                 queue.popleft()
+                continue
+            if job.kind in SCORING_KINDS:  # admitted by the scoring queue, under its own caps
+                self._scoring.enqueue(queue.popleft())
                 continue
             if self._split_lora and self._by_rid:
                 busy_lora = next(iter(self._by_rid.values())).lora is not None
@@ -262,6 +268,9 @@ class StepLoop:
             job = by_rid.get(out.request_id)
             if job is None:
                 continue
+            if job.kind in SCORING_KINDS:
+                self._scoring.route(job, out)
+                continue
             if job.kind == "sample":
                 job.out.extend(out.new_token_ids)
                 if out.finish_reason is not None:
@@ -349,11 +358,15 @@ class StepLoop:
             "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
             "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
             "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
+            "scoring": self._scoring.stats(),
         }
 
     # ---------------------------------------------------------------- job endings
     def _end_job(self, job: Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:
         """Resolve ``job``; park its session (success) or abort its request (``abort``)."""
+        if job.kind in SCORING_KINDS:
+            self._scoring.end(job, exc, abort)
+            return
         rid = job.rid
         if rid is not None and self._by_rid.get(rid) is job:
             del self._by_rid[rid]
@@ -376,6 +389,9 @@ class StepLoop:
         self._outbox.resolve(job, value, exc)
 
     def _cancel(self, job: Job) -> None:
+        if job.kind in SCORING_KINDS:
+            self._scoring.cancel(job)
+            return
         if job.kind == "logprobs":  # its waiters may have joined an identical job in flight
             job = self._by_key.get((job.adapter, job.ids), job)
         if job.wanted():
@@ -448,6 +464,7 @@ class StepLoop:
             err = RuntimeError("the engine was shut down while the request was pending")
         for job in list(self._by_rid.values()) + list(self._queue):
             self._outbox.resolve(job, exc=err)
+        self._scoring.stop(err)
         self._by_rid.clear()
         self._by_key.clear()
         self._queue.clear()
