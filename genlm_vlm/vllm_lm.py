@@ -154,6 +154,12 @@ class AsyncVirtualLM(ServingLM):
         see :func:`genlm_vlm.engine.build.resolve_model`).
         """
         cls._check_options(kwargs)
+        if isinstance(engine_opts, dict) and engine_opts:  # a misspelled option fails before vLLM loads
+            from .engine.options import check_option_names, vllm_option_names_from_source
+
+            accepted = vllm_option_names_from_source()
+            if accepted is not None:
+                check_option_names(engine_opts, accepted)
         driver = EngineDriver(
             os.fspath(model_name),
             engine_opts,
