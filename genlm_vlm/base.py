@@ -431,9 +431,11 @@ class AsyncLM(ABC):
         CPU tensors of length ``k``, most likely first (ties in no particular order). Every
         logit column counts, padded ones included (see :func:`genlm_vlm.without_padding`).
 
-        Where the model supports it and ``k`` is at most vLLM's ``max_logprobs`` (20 unless set in
-        ``engine_opts``), the top ``k`` come from vLLM's own top-k of the sampled position, and no
-        row is made; a row already in the output cache is used as is; otherwise from the row.
+        On an :class:`~genlm_vlm.AsyncVirtualLM` with the scoring path (see
+        :meth:`continuation_logprobs`) no row is delivered: with ``k`` at most vLLM's
+        ``max_logprobs`` (20 unless set in ``engine_opts``) the top ``k`` are vLLM's own top-k of
+        the sampled position, above it the row is reduced on the engine thread; a row already in
+        the output cache is used as is. Elsewhere, from the row.
         """
         k = self._check_k(k, self.vocab_size)
         ids = self._check_ids(token_ids)
