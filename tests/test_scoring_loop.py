@@ -122,9 +122,10 @@ def test_without_prefix_caching_a_job_is_one_request():
         driver.shutdown()
 
 
-def test_a_shared_prompt_is_computed_once(driver_core):
-    """Multiple choice: 8 continuations of one prompt; the prompt's blocks are warmed once."""
-    driver, core = driver_core
+def test_a_shared_prompt_is_computed_once():
+    """Multiple choice: 8 continuations of one prompt admitted together; the prompt's blocks are
+    warmed once."""
+    driver, core = make(FakeCore(max_num_seqs=64))
     prompt = seq(4, 21)
     conts = [seq(10 * i + 1, 5) for i in range(8)]
     results = score(driver, *(ScoreSpec(prompt, c) for c in conts))
@@ -135,6 +136,7 @@ def test_a_shared_prompt_is_computed_once(driver_core):
     # the warm-up's 20 tokens, then per continuation a block from 20 and one token from 24
     assert core.score_computed == 20 + 8 * (4 + 1) < 8 * (21 + 5)
     assert stats["tokens_computed"] == core.score_computed and stats["tokens_scored"] == 40
+    driver.shutdown()
 
 
 def test_identical_queries_share_one_job():
