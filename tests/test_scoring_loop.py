@@ -125,7 +125,7 @@ def test_without_prefix_caching_a_job_is_one_request():
 def test_a_shared_prompt_is_computed_once():
     """Multiple choice: 8 continuations of one prompt admitted together; the prompt's blocks are
     warmed once."""
-    driver, core = make(FakeCore(max_num_seqs=64))
+    driver, core = make(FakeCore(max_num_seqs=64, token_budget=1000))
     prompt = seq(4, 21)
     conts = [seq(10 * i + 1, 5) for i in range(8)]
     results = score(driver, *(ScoreSpec(prompt, c) for c in conts))
