@@ -26,11 +26,14 @@ then ``--reps`` timed ones; the table gives the median seconds and ``ours/vllm``
 over ours: above 1 means ours is faster). ``check`` is the largest difference between the
 records' summed log-probabilities of ours and vLLM's.
 
-``--memory`` (run first, before the workloads fragment the heap) measures the peak resident memory added while scoring one 300-token
-continuation (after a 200-token prompt), for each system, and for ``forward``: one row request
-over the same 500 tokens (the forward pass's own activations, which every system pays):
-``/proc/self/clear_refs`` resets the high-water mark after ``malloc_trim``, the peak minus the
-resident size before is divided by one row (``4 x V`` bytes), and ``over_forward`` subtracts the
+``--memory`` (run first, before the workloads fragment the heap) measures the peak memory added
+while scoring one 300-token continuation (after a 200-token prompt), for each system, and for
+``forward``: one row request over the same 500 tokens (the forward pass's own activations, which
+every system pays). Two measures, each divided by one row (``4 x V`` bytes): *live*, the peak of
+glibc's ``mallinfo2`` (bytes handed out and not freed; torch's CPU tensors come from malloc),
+sampled every 0.2 ms; *resident*, the high-water mark of the process (reset through
+``/proc/self/clear_refs`` after ``malloc_trim``), which also counts freed memory the allocator
+keeps (genlm_vlm's glibc settings keep up to 512 MiB). ``*_over_forward`` subtracts the
 forward's figure. Each is measured after two unmeasured runs of the same call. ``ours_20``: ours
 on the same record cut to 20 continuation tokens (memory that does not grow with the tokens
 scored stays flat). ``--cli`` times ``python -m genlm_vlm score ... --engine-opt
@@ -54,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -118,17 +122,47 @@ def _rss() -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def peak_added(fn: Any) -> int:
-    """Peak resident bytes added while ``fn()`` runs (high-water mark reset first)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _live_bytes(libc: Any) -> int:
+    """Bytes malloc has handed out and not taken back (heap chunks in use + mmapped chunks)."""
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def peak_added(fn: Any) -> tuple[int, int]:
+    """``(peak resident bytes, peak live malloc bytes)`` added while ``fn()`` runs.
+
+    Resident: the high-water mark (reset first, after ``malloc_trim``) minus the resident size
+    before; it includes freed memory the allocator keeps. Live: ``mallinfo2`` sampled every
+    0.2 ms from another thread (torch's CPU tensors come from malloc), minus the value before.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before, _ = _rss()
-    fn()
-    return _rss()[1] - before
+    base = _live_bytes(libc)
+    peak = [base]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _live_bytes(libc))
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        stop.set()
+        sampler.join()
+    return _rss()[1] - before, peak[0] - base
 
 
 def time_cli() -> float:
@@ -198,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                 fresh()
                 fn()
             fresh()
-            added = peak_added(fn)
-            memory[system] = {"peak_added_bytes": added, "rows": round(added / row_bytes, 1)}
-            memory[system]["over_forward"] = round((added - memory["forward"]["peak_added_bytes"]) / row_bytes, 1)
+            resident, live = peak_added(fn)
+            memory[system] = {"resident_bytes": resident, "live_bytes": live,
+                              "resident_rows": round(resident / row_bytes, 1), "live_rows": round(live / row_bytes, 1)}
+            ref = memory["forward"]
+            memory[system]["live_rows_over_forward"] = round((live - ref["live_bytes"]) / row_bytes, 1)
+            memory[system]["resident_rows_over_forward"] = round((resident - ref["resident_bytes"]) / row_bytes, 1)
         print(json.dumps({"memory_300": memory}), flush=True)
     results: list[dict[str, Any]] = []
     for name, records in cells.items():
