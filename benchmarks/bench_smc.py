@@ -17,6 +17,9 @@ Systems, all in one process, on the same local model and engine options:
   per step (what genlm-control's ``AutoBatchedPotential`` does);
 * ``ours_nocache``: a second ``AsyncVirtualLM`` built with ``cache_size=0``, awaited per
   particle (the configuration the SMC tables used before the defaults were made fast);
+* ``ours_noforks``: a second ``AsyncVirtualLM`` built with ``forks=False``, awaited per
+  particle: a resampled particle's copies re-prefill their parent's unfinished KV block (what
+  every fork cost before forks shared it);
 * ``ours_requests``: ``AsyncVirtualLM(sessions=False, cache_size=0)``: every step is a fresh
   request per particle (the previous design);
 * ``generate1``: plain ``vllm.LLM.generate(max_tokens=1)`` on every particle's full prompt per
@@ -35,7 +38,13 @@ reset (untimed). Prints rows/s (one row = one particle-step) per system, the rat
 ``hf``), and for each ``ours*`` system the account of a particle-step (microseconds per row:
 ``step`` inside vLLM's step, ``host`` genlm_vlm's engine-thread work, ``idle`` the engine
 waiting for the program, ``loop`` genlm_vlm's hand-over on the event loop; CPU/wall; output
-cache ``hits``); medians of ``--reps`` (every run's seconds are printed and kept too). Writes JSON to
+cache ``hits``); the work each system did per run: ``<system>_tokens``, the tokens the engine
+computed (scheduled; for ``ours*`` genlm_vlm's ``stats["tokens"]["scheduled"]``, for
+``generate1``/``decode`` the prompt tokens not found in the prefix cache plus the tokens
+decoded after the first, from vLLM's ``RequestOutput.num_cached_tokens``) and
+``<system>_tokens/decode``; for ``ours*`` the forks served by a copy of the parent's tail block
+(``_forks_copied``; ``_forks_aligned``: the parent's context ended on a block boundary, nothing
+to copy) and those that re-prefilled it (``_forks_reprefilled``); medians of ``--reps`` (every run's seconds are printed and kept too). Writes JSON to
 ``--out``. Example::
 
     .venv/bin/python benchmarks/bench_smc.py --model llama-32k --n 64 256 --resample 0 4
@@ -106,24 +115,32 @@ async def run_ours(lm: Any, prompt: list[int], n: int, moves: list, batch: bool 
         parts = [p + [t] for p, t in zip(parts, toks, strict=True)]
 
 
-def run_generate1(llm: Any, prompts_per_step: list) -> None:
+def computed(outs: list) -> int:
+    """Tokens vLLM computed for these finished requests: the prompt tokens it did not find in
+    its prefix cache, plus every decoded token after the first (each is fed back once)."""
+    return sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) + len(o.outputs[0].token_ids) - 1 for o in outs)
+
+
+def run_generate1(llm: Any, prompts_per_step: list) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+    tokens = 0
     for prompts in prompts_per_step:
         uniq = list({tuple(p): None for p in prompts})
-        llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in uniq], params, use_tqdm=False)
+        tokens += computed(llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in uniq], params, use_tqdm=False))
+    return tokens
 
 
-def run_decode(llm: Any, prompt: list[int], n: int, steps: int, seed: int) -> None:
+def run_decode(llm: Any, prompt: list[int], n: int, steps: int, seed: int) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     # distinct last tokens so vLLM cannot share the decode work between particles
     prompts = [TokensPrompt(prompt_token_ids=prompt + [3 + (i % 500)]) for i in range(n)]
     params = SamplingParams(max_tokens=steps, temperature=1.0, seed=None, detokenize=False, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
+    return computed(llm.generate(prompts, params, use_tqdm=False))
 
 
 def run_hf(model: Any, prompt: list[int], n: int, moves: list) -> None:
@@ -143,7 +160,10 @@ def run_hf(model: Any, prompt: list[int], n: int, moves: list) -> None:
 def counters(lm: Any) -> dict[str, float]:
     """The counters the account reads, from ``lm.stats``."""
     st = lm.stats
-    return {**st["engine_time"], "deliver_s": st["logprobs"]["deliver_s"], "cache_hits": st["cache"]["hits"]}
+    forks = st["forks"]
+    return {**st["engine_time"], "deliver_s": st["logprobs"]["deliver_s"], "cache_hits": st["cache"]["hits"],
+            "tokens": st["tokens"]["scheduled"] or 0, "forks_copied": forks["copied"],
+            "forks_aligned": forks["aligned"], "forks_reprefilled": forks["reprefilled"]}
 
 
 def account(name: str, spent: dict[str, float], rows: int) -> dict[str, float]:
@@ -155,10 +175,12 @@ def account(name: str, spent: dict[str, float], rows: int) -> dict[str, float]:
     out[f"{name}_loop_us"] = round(spent["deliver_s"] / rows * 1e6, 1)
     out[f"{name}_cpu_per_wall"] = round(spent["cpu_s"] / spent["wall_s"], 2)
     out[f"{name}_cache_hits"] = int(spent["cache_hits"])
+    for k in ("forks_copied", "forks_aligned", "forks_reprefilled"):  # per run
+        out[f"{name}_{k}"] = round(spent[k] / spent["runs"], 1)
     return out
 
 
-OURS = ("ours", "ours_batch", "ours_nocache", "ours_requests")
+OURS = ("ours", "ours_batch", "ours_nocache", "ours_noforks", "ours_requests")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resample", type=int, nargs="+", default=[0, 4], help="0: no resampling; K: every K-th step")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=None, help="engine block_size (default: genlm_vlm's)")
-    ap.add_argument("--systems", nargs="+", default=["ours", "ours_batch", "ours_nocache", "ours_requests", "generate1", "decode", "hf"],
+    ap.add_argument("--systems", nargs="+",
+                    default=["ours", "ours_batch", "ours_nocache", "ours_noforks", "ours_requests", "generate1", "decode", "hf"],
                     help="ours and ours_batch share one model built with from_name's defaults")
     ap.add_argument("--out", default="benchmarks/results/smc.json")
     ap.add_argument("--delivery-parts", type=int, default=1, help="AsyncVirtualLM delivery_parts for ours")
@@ -195,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 lms[name] = lm
     if "ours_nocache" in args.systems:
         lms["ours_nocache"] = AsyncVirtualLM.from_name(path, dict(opts), cache_size=0)
+    if "ours_noforks" in args.systems:
+        lms["ours_noforks"] = AsyncVirtualLM.from_name(path, dict(opts), forks=False)
     if "ours_requests" in args.systems:
         lms["ours_requests"] = AsyncVirtualLM.from_name(path, dict(opts), sessions=False, cache_size=0)
     llm = None
@@ -242,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name][1]()
             times: dict[str, list[float]] = {name: [] for name in names}
             spent: dict[str, Counter[str]] = {name: Counter() for name in lms}
+            work: dict[str, list[int]] = {name: [] for name in names}  # tokens computed per run
             for rep in range(args.reps):
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:  # rotate the order from one repetition to the next
@@ -249,18 +275,28 @@ def main(argv: list[str] | None = None) -> int:
                     runs[name][0]()
                     before = counters(lm) if lm is not None else {}
                     cpu0, t0 = time.process_time(), time.perf_counter()
-                    runs[name][1]()
+                    done = runs[name][1]()
                     t1, cpu1 = time.perf_counter(), time.process_time()
                     times[name].append(t1 - t0)
                     if lm is not None:  # this system's runs only (ours and ours_batch share a model)
                         after = counters(lm)
                         spent[name].update({k: after[k] - before[k] for k in after})
-                        spent[name].update({"cpu_s": cpu1 - cpu0, "wall_s": t1 - t0})
+                        spent[name].update({"cpu_s": cpu1 - cpu0, "wall_s": t1 - t0, "runs": 1})
+                        work[name].append(int(after["tokens"] - before["tokens"]))
+                    elif isinstance(done, int):
+                        work[name].append(done)
             for name in names:
                 cell[name] = rows / statistics.median(times[name])
             cell["seconds"] = {name: [round(t, 3) for t in times[name]] for name in names}
             for name in lms:
                 cell.update(account(name, spent[name], rows * args.reps))
+            for name in names:
+                if work[name] and any(work[name]):
+                    cell[f"{name}_tokens"] = statistics.median(work[name])
+            if "decode_tokens" in cell:
+                for name in names:
+                    if f"{name}_tokens" in cell and name != "decode":
+                        cell[f"{name}_tokens/decode"] = cell[f"{name}_tokens"] / cell["decode_tokens"]
             for ours in OURS:
                 if ours not in cell:
                     continue

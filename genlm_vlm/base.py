@@ -6,15 +6,14 @@ import asyncio
 import numbers
 import warnings
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
-import numpy as np
 import torch
 
 from ._genlm_compat import declare_stand_in
+from .checks import GREEDY_TEMPERATURE, KnownIds, _as_float, as_token_ids, check_seed
 
 if TYPE_CHECKING:
     pass
@@ -36,149 +35,16 @@ class ClosedError(RuntimeError):
     """The model was cleaned up; it accepts no more calls."""
 
 
-#: Prefixes per engine call in :meth:`AsyncLM.continuation_logprobs` (bounds memory to
-#: ``chunk_size`` rows of ``vocab_size`` floats).
+#: Prefixes per engine call in :meth:`AsyncLM.continuation_logprobs` on the row path (bounds
+#: memory to ``chunk_size`` rows of ``vocab_size`` floats).
 SCORE_CHUNK_SIZE = 128
+#: ``method`` of the scoring methods: ``"auto"`` (vLLM's prompt log-probabilities where the model
+#: supports them, else rows) or ``"rows"`` (one full row per prefix, always).
+SCORE_METHODS = ("auto", "rows")
 
 
 def _fit(vocab: list[T], size: int, empty: T) -> list[T]:
     return vocab[:size] + [empty] * (size - len(vocab))
-
-
-class KnownIds:
-    """Token-id tuples already found valid for one vocabulary size, so that a prompt of ints
-    that repeats one, or extends one by a single id (a continuing SMC particle), needs no range
-    check over every id: one lookup of its prefix and a look at its last id.
-
-    Insertion-ordered and bounded by the ids it holds (``budget``, 2**19 by default: at most
-    4 MiB of tuple slots; the oldest tuples are forgotten first). Safe to share between
-    threads: a race can only forget a tuple, never admit an unchecked one.
-    """
-
-    __slots__ = ("_held", "_tuples", "budget", "vocab_size")
-
-    def __init__(self, vocab_size: int, budget: int = 1 << 19) -> None:
-        self.vocab_size = vocab_size
-        self.budget = budget
-        self._tuples: OrderedDict[tuple[int, ...], None] = OrderedDict()
-        self._held = 0
-
-    def covers(self, ids: tuple[int, ...]) -> bool:
-        """True if ``ids`` (a tuple of ``int``, checked by the caller) is known, or extends a
-        known tuple by one id in the vocabulary (then it is remembered too)."""
-        tuples = self._tuples
-        if len(ids) > 1 and ids[:-1] in tuples:
-            if 0 <= ids[-1] < self.vocab_size:
-                self.add(ids)
-                return True
-            return False
-        return ids in tuples
-
-    def add(self, ids: tuple[int, ...]) -> None:
-        """Remember ``ids`` (every id already checked to be an int in the vocabulary)."""
-        tuples = self._tuples
-        tuples[ids] = None
-        self._held += len(ids)
-        while self._held > self.budget and tuples:
-            try:
-                old, _ = tuples.popitem(last=False)
-            except KeyError:  # emptied by another thread meanwhile
-                break
-            self._held -= len(old)
-
-
-def as_token_ids(token_ids: Any, what: str, vocab_size: int, known: KnownIds | None = None) -> tuple[int, ...]:
-    """``token_ids`` (a sequence of ints, or a 1-D integer tensor / array) as a tuple of ints.
-
-    Raises ``TypeError`` for text, non-integer entries or dtypes, ``ValueError`` for a 2-D
-    input or an id outside ``[0, vocab_size)``; the message names ``what``. An empty input gives
-    ``()`` (callers decide whether that is allowed). With ``known`` (for this ``vocab_size``),
-    a prompt that repeats, or extends by one id, a prompt found valid before skips the range
-    check over its ids, and a prompt found valid is remembered there.
-    """
-    if isinstance(token_ids, str | bytes):
-        raise TypeError(
-            f"{what} must be a sequence of token ids, got {type(token_ids).__name__}; "
-            "use lm.tokenizer.encode(text)"
-        )
-    if type(token_ids) is list or type(token_ids) is tuple:
-        ids, typed = tuple(token_ids), False
-    elif isinstance(token_ids, torch.Tensor | np.ndarray):
-        if token_ids.ndim != 1:
-            raise ValueError(f"{what} must be 1-D, got shape {tuple(token_ids.shape)}")
-        if isinstance(token_ids, torch.Tensor):
-            integer = not (token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool)
-        else:
-            integer = bool(np.issubdtype(token_ids.dtype, np.integer))
-        if not integer:
-            raise TypeError(f"{what} must hold integers, got dtype {token_ids.dtype}")
-        ids, typed = tuple(token_ids.tolist()), True  # Python ints
-    elif isinstance(token_ids, Sequence):
-        ids, typed = tuple(token_ids), False
-    else:
-        raise TypeError(f"{what} must be a sequence of int token ids, got {type(token_ids).__name__}")
-    if not ids:
-        return ids
-    if not typed and set(map(type, ids)) != {int}:  # the common case costs one C-level pass
-        out = []
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} ({t!r})")
-            out.append(int(t))
-        ids = tuple(out)
-    # Every id is an int now, so equal tuples hold the same ids: a known prefix needs no range check.
-    if known is not None and known.covers(ids):
-        return ids
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
-        raise ValueError(f"{what} holds token id {t} at index {i}, outside the vocabulary [0, {vocab_size})")
-    if known is not None:
-        known.add(ids)
-    return ids
-
-
-def check_batch_size(value: Any) -> int:
-    """The ``batch_size`` setter's check: an int >= 1 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {value!r}")
-    return int(value)
-
-
-def check_timeout(value: Any) -> float:
-    """The ``timeout`` setter's check: a finite number of seconds >= 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 <= value < float("inf")):
-        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
-
-
-#: The seeds ``sample`` accepts: those of ``torch.Generator.manual_seed`` (a negative seed ``s``
-#: draws as ``s + 2**64`` does).
-SEED_RANGE = (-(2**63), 2**64 - 1)
-#: ``sample`` treats a temperature below this as 0 (greedy), as vLLM's sampler does.
-GREEDY_TEMPERATURE = 1e-5
-
-
-def check_seed(seed: Any, what: str = "seed") -> int | None:
-    """A sampling seed: None, or an int (not a bool) in :data:`SEED_RANGE`. A wrong type is a
-    ``TypeError``, an int out of range a ``ValueError``; the message names ``what``."""
-    if seed is None:
-        return None
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        raise TypeError(f"{what} must be an int or None, got {type(seed).__name__}")
-    lo, hi = SEED_RANGE
-    if not lo <= seed <= hi:
-        raise ValueError(f"{what} must be in [-2**63, 2**64 - 1] (what torch.Generator accepts), got {seed}")
-    return int(seed)
-
-
-def _as_float(value: Any) -> float | None:
-    """``value`` as a float if it is a real number (not a bool) that fits one, else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        return float(value)
-    except (OverflowError, ValueError):
-        return None
 
 
 class SampleArgs(NamedTuple):
@@ -403,6 +269,35 @@ class AsyncLM(ABC):
         return int(k)
 
     # ------------------------------------------------------------------ scoring and top-k
+    # Two ways to score a continuation: from vLLM's prompt log-probabilities (one prefill, a few
+    # engine requests per record, no full rows: models that drive an engine override the hooks
+    # below) or from one full row per prefix (everything else, and ``method="rows"``).
+    async def _direct_scores(
+        self, prompt: tuple[int, ...], continuation: tuple[int, ...], lora_name: str | None, top_k: int, method: str
+    ) -> Any | None:
+        """Score ``continuation`` (and the ``top_k`` after ``prompt``) without rows (hook): an
+        object with ``logprobs`` (float32 CPU ``[n]``), ``top_ids``, ``top_logprobs``, or None
+        when the rows must do it. Arguments are validated already."""
+        return None
+
+    def _score_futures(self, items: Sequence[tuple[Any, ...]], method: str = "auto") -> list[Any] | None:
+        """Blocking form of :meth:`_direct_scores` (hook): one ``concurrent.futures.Future``
+        per ``(prompt, continuation, lora_name, top_k)`` (resolving to the same object, or
+        failing for that item only), or None when the rows must do it. ``prompt`` and
+        ``continuation`` are validated token-id tuples."""
+        return None
+
+    def _score_args(
+        self, prompt_ids: Any, continuation_ids: Any, chunk_size: Any, method: Any
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Validate the arguments of the scoring methods; returns ``(prompt, continuation)``."""
+        prompt, cont = self._score_inputs(prompt_ids, continuation_ids)
+        if type(chunk_size) is not int or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if method not in SCORE_METHODS:
+            raise ValueError(f"method must be one of {', '.join(map(repr, SCORE_METHODS))}, got {method!r}")
+        return prompt, cont
+
     async def continuation_logprobs(
         self,
         prompt_ids: TokenIds,
@@ -410,16 +305,30 @@ class AsyncLM(ABC):
         *,
         lora_name: str | None = None,
         chunk_size: int = SCORE_CHUNK_SIZE,
+        method: str = "auto",
     ) -> torch.Tensor:
         """``log p(c_t | prompt + c_<t)`` for each continuation token ``c_t``: float32 CPU ``[n]``.
 
-        ``prompt_ids`` must be non-empty; an empty continuation gives an empty tensor. Needs the
-        rows of the prefixes ``prompt``, ``prompt + c_1``, ..., ``prompt + c_<n``, requested
-        ``chunk_size`` at a time through :meth:`batch_next_token_logprobs` (so they share batches
-        and caches with other awaits, and at most ``chunk_size`` rows are held at once).
+        ``prompt_ids`` must be non-empty; an empty continuation gives an empty tensor. Log-
+        probabilities are normalised over the full logit width, from the raw logits.
+
+        ``method="auto"``: where the model supports it (:class:`~genlm_vlm.AsyncVirtualLM` on
+        vLLM >= 0.32 with the default ``logprobs_mode``), the continuation is scored from vLLM's
+        prompt log-probabilities: one prefill, no full rows, batched with other awaits,
+        identical (prompt, continuation) pairs in flight computed once. Elsewhere, or with
+        ``method="rows"``, from the rows of the prefixes ``prompt``, ``prompt + c_1``, ...,
+        ``prompt + c_<n``, requested ``chunk_size`` at a time through
+        :meth:`batch_next_token_logprobs` (they share batches and the output cache with other
+        awaits; at most ``chunk_size`` rows are held at once). ``stats["scoring"]`` counts both.
         """
-        out, chunks = self._prefix_chunks(prompt_ids, continuation_ids, chunk_size)
-        for where, prefixes, targets in chunks:
+        prompt, cont = self._score_args(prompt_ids, continuation_ids, chunk_size, method)
+        if not cont:
+            return torch.empty(0, dtype=torch.float32)
+        found = await self._direct_scores(prompt, cont, lora_name, 0, method)
+        if found is not None:
+            return found.logprobs
+        out = torch.empty(len(cont), dtype=torch.float32)
+        for where, prefixes, targets in _prefix_chunks(prompt, cont, chunk_size):
             out[where] = _gather(await self.batch_next_token_logprobs(prefixes, lora_name=lora_name), targets)
         return out
 
@@ -430,58 +339,89 @@ class AsyncLM(ABC):
         *,
         lora_name: str | None = None,
         chunk_size: int = SCORE_CHUNK_SIZE,
+        method: str = "auto",
     ) -> torch.Tensor:
-        """Blocking :meth:`continuation_logprobs` (through :meth:`batch_next_token_logprobs_sync`)."""
-        out, chunks = self._prefix_chunks(prompt_ids, continuation_ids, chunk_size)
-        for where, prefixes, targets in chunks:
+        """Blocking :meth:`continuation_logprobs` (rows through :meth:`batch_next_token_logprobs_sync`)."""
+        prompt, cont = self._score_args(prompt_ids, continuation_ids, chunk_size, method)
+        if not cont:
+            return torch.empty(0, dtype=torch.float32)
+        futures = self._score_futures([(prompt, cont, lora_name, 0)], method)
+        if futures is not None:
+            return _wait_all(futures)[0].logprobs
+        out = torch.empty(len(cont), dtype=torch.float32)
+        for where, prefixes, targets in _prefix_chunks(prompt, cont, chunk_size):
             out[where] = _gather(self.batch_next_token_logprobs_sync(prefixes, lora_name=lora_name), targets)
         return out
 
-    def _prefix_chunks(
-        self, prompt_ids: Any, continuation_ids: Any, chunk_size: Any
-    ) -> tuple[torch.Tensor, Iterator[tuple[slice, list[tuple[int, ...]], tuple[int, ...]]]]:
-        """Validate the arguments of ``continuation_logprobs`` (now); returns the output tensor
-        ``[n]`` and, lazily, ``(where in it, the prefixes whose rows are needed, the tokens to
-        read from those rows)`` per chunk of at most ``chunk_size`` prefixes."""
-        prompt, cont = self._score_inputs(prompt_ids, continuation_ids)
-        if type(chunk_size) is not int or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-        def chunks() -> Iterator[tuple[slice, list[tuple[int, ...]], tuple[int, ...]]]:
-            for start in range(0, len(cont), chunk_size):
-                stop = min(start + chunk_size, len(cont))
-                yield slice(start, stop), [prompt + cont[:k] for k in range(start, stop)], cont[start:stop]
-
-        return torch.empty(len(cont), dtype=torch.float32), chunks()
-
     async def score(
-        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None
+        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None,
+        method: str = "auto",
     ) -> float:
-        """``log p(continuation | prompt)``: the sum of :meth:`continuation_logprobs` (0.0 if empty).
+        """``log p(continuation | prompt)``: the sum of :meth:`continuation_logprobs` (0.0 if empty),
+        summed in float64.
 
         No token is added: pass the BOS token in ``prompt_ids`` if the model expects one, and the
         EOS token at the end of ``continuation_ids`` to score a finished text.
         """
-        logps = await self.continuation_logprobs(prompt_ids, continuation_ids, lora_name=lora_name)
+        logps = await self.continuation_logprobs(prompt_ids, continuation_ids, lora_name=lora_name, method=method)
         return float(logps.double().sum())
 
     def score_sync(
-        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None
+        self, prompt_ids: TokenIds, continuation_ids: TokenIds, *, lora_name: str | None = None,
+        method: str = "auto",
     ) -> float:
         """Blocking :meth:`score`."""
-        logps = self.continuation_logprobs_sync(prompt_ids, continuation_ids, lora_name=lora_name)
+        logps = self.continuation_logprobs_sync(prompt_ids, continuation_ids, lora_name=lora_name, method=method)
         return float(logps.double().sum())
 
     async def next_token_topk(self, token_ids: TokenIds, k: int, *, lora_name: str | None = None) -> TopK:
         """The ``k`` most likely tokens after ``token_ids``: :class:`TopK` ``(token_ids, logprobs)``,
-        CPU tensors of length ``k``, most likely first (ties in no particular order)."""
+        CPU tensors of length ``k``, most likely first (ties in no particular order). Every
+        logit column counts, padded ones included (see :func:`genlm_vlm.without_padding`).
+
+        On an :class:`~genlm_vlm.AsyncVirtualLM` with the scoring path (see
+        :meth:`continuation_logprobs`) no row is delivered: with ``k`` at most vLLM's
+        ``max_logprobs`` (20 unless set in ``engine_opts``) the top ``k`` are vLLM's own top-k of
+        the sampled position, above it the row is reduced on the engine thread; a row already in
+        the output cache is used as is. Elsewhere, from the row.
+        """
         k = self._check_k(k, self.vocab_size)
-        return _topk(await self.next_token_logprobs(token_ids, lora_name=lora_name), k)
+        ids = self._check_ids(token_ids)
+        found = await self._direct_scores(ids, (), lora_name, k, "auto")
+        if found is not None:
+            return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
+        return _topk(await self.next_token_logprobs(ids, lora_name=lora_name), k)
 
     def next_token_topk_sync(self, token_ids: TokenIds, k: int, *, lora_name: str | None = None) -> TopK:
         """Blocking :meth:`next_token_topk`."""
         k = self._check_k(k, self.vocab_size)
-        return _topk(self.next_token_logprobs_sync(token_ids, lora_name=lora_name), k)
+        ids = self._check_ids(token_ids)
+        futures = self._score_futures([(ids, (), lora_name, k)], "auto")
+        if futures is not None:
+            found = _wait_all(futures)[0]
+            return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
+        return _topk(self.next_token_logprobs_sync(ids, lora_name=lora_name), k)
+
+
+def _prefix_chunks(
+    prompt: tuple[int, ...], cont: tuple[int, ...], chunk_size: int
+) -> Iterator[tuple[slice, list[tuple[int, ...]], tuple[int, ...]]]:
+    """``(where in the output, the prefixes whose rows are needed, the tokens to read from those
+    rows)`` per chunk of at most ``chunk_size`` prefixes (the row path of the scoring methods)."""
+    for start in range(0, len(cont), chunk_size):
+        stop = min(start + chunk_size, len(cont))
+        yield slice(start, stop), [prompt + cont[:k] for k in range(start, stop)], cont[start:stop]
+
+
+def _wait_all(futures: Sequence[Any]) -> list[Any]:
+    """Results of ``concurrent.futures`` futures in order; on any error or interrupt (Ctrl-C) the
+    rest are cancelled (the engine aborts their work) and the error is re-raised."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 def _gather(rows: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:

@@ -93,7 +93,29 @@ def parse_engine_opts(items: Sequence[str]) -> dict[str, Any]:
                 f"--engine-opt expects key=value, got {item!r} (e.g. --engine-opt max_model_len=1024)"
             )
         opts[key.strip()] = parse_engine_value(value)
+    check_engine_opt_names(opts)
     return opts
+
+
+def check_engine_opt_names(opts: dict[str, Any]) -> None:
+    """Raise :class:`UsageError` naming each ``--engine-opt`` key that ``vllm.LLM`` does not take
+    and the nearest one it does, before vLLM is imported (the accepted names are read from the
+    installed vLLM's source: :func:`genlm_vlm.engine.options.vllm_option_names_from_source`).
+    Nothing is checked when they cannot be read; the engine build checks again."""
+    if not opts:
+        return
+    from .engine.options import (  # standard library only
+        check_option_names,
+        vllm_option_names_from_source,
+    )
+
+    accepted = vllm_option_names_from_source()
+    if accepted is None:
+        return
+    try:
+        check_option_names(opts, accepted)
+    except TypeError as e:
+        raise UsageError(f"--engine-opt: {e}") from None
 
 
 def add_engine_opt_option(p: argparse.ArgumentParser) -> None:

@@ -26,10 +26,8 @@ from .base import (
     ClosedError,
     SampleArgs,
     TokenIds,
-    check_batch_size,
-    check_seed,
-    check_timeout,
 )
+from .checks import check_batch_size, check_seed, check_timeout
 from .dedup import TokensKey
 from .lora import Adapter, LoraRegistry
 

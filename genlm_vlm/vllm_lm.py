@@ -26,6 +26,7 @@ from .base import ClosedError, SampleArgs, TokenIds
 from .batching import AutoBatcher, KeyPlan
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
+from .engine.scoring import ScoreResult, ScoreSpec
 from .lora import Adapter, UnknownAdapterError
 from .serving import Query, ServingLM
 
@@ -44,6 +45,10 @@ def _check_chunk_sizes(chunk_size: int, min_chunk_size: int) -> None:
     if chunk_size < 1 or min_chunk_size < 1:
         raise ValueError("chunk_size and min_chunk_size must be >= 1")
 
+
+#: Why a scoring call went to the rows (``stats["scoring"]["fallback"]``): ``method="rows"``,
+#: an engine without the prompt-logprobs path, a top-k query whose row is in the output cache.
+_FALLBACKS = ("rows_requested", "unsupported", "topk_row_cached")
 
 #: Counters of ``stats["sync"]``: blocking calls, the rows they returned, and how each row was
 #: obtained (``rows == cache_hits + dedup_joins + computed`` over the calls that returned).
@@ -108,6 +113,11 @@ class AsyncVirtualLM(ServingLM):
             self._start_samples, batch_size=self.batch_size, timeout=self.timeout,
             dedupe=False, deliver=list, name="sample", bursts=True,
         )
+        self._score_batcher: AutoBatcher[tuple[ScoreSpec, Adapter | None], ScoreResult] = AutoBatcher(
+            self._start_scores, batch_size=self.batch_size, timeout=self.timeout,
+            deliver=ScoreResult.copy, name="score", bursts=True,
+        )
+        self._fallbacks = dict.fromkeys(_FALLBACKS, 0)
         # Counters of the blocking path (the batchers count the awaited one); see ``stats``.
         self._sync_lock = threading.Lock()
         self._sync_stats = dict.fromkeys(_SYNC_STATS, 0)
@@ -152,6 +162,12 @@ class AsyncVirtualLM(ServingLM):
         see :func:`genlm_vlm.engine.build.resolve_model`).
         """
         cls._check_options(kwargs)
+        if isinstance(engine_opts, dict) and engine_opts:  # a misspelled option fails before vLLM loads
+            from .engine.options import check_option_names, vllm_option_names_from_source
+
+            accepted = vllm_option_names_from_source()
+            if accepted is not None:
+                check_option_names(engine_opts, accepted)
         driver = EngineDriver(
             os.fspath(model_name),
             engine_opts,
@@ -256,13 +272,71 @@ class AsyncVirtualLM(ServingLM):
         return self._submit(reqs, lambda s, lora: SampleSpec(*s, lora=lora), self._driver.submit_samples,
                             listener, payloads)
 
+    def _start_scores(self, reqs: list[tuple[ScoreSpec, Adapter | None]], listener: Any = None,
+                      payloads: Any = None) -> list[Any]:
+        return self._submit(reqs, lambda s, lora: ScoreSpec(s.prompt, s.continuation, s.top_k, lora),
+                            self._driver.submit_scores, listener, payloads)
+
+    # ------------------------------------------------------------------ scoring hooks (AsyncLM)
+    def _score_route(self, ids: tuple[int, ...], continuation: tuple[int, ...], adapter: Adapter | None,
+                     top_k: int, method: str) -> bool:
+        """Whether vLLM's prompt log-probabilities serve this query (else rows); counts why not."""
+        facts = self._driver.scoring
+        why = None
+        if method == "rows":
+            why = "rows_requested"
+        elif not facts.supported:
+            why = "unsupported"
+        elif not continuation and Query(ids, adapter).key in self.cache:
+            why = "topk_row_cached"
+        if why is None:
+            return True
+        with self._sync_lock:
+            self._fallbacks[why] += 1
+        return False
+
+    async def _direct_scores(self, prompt: tuple[int, ...], continuation: tuple[int, ...], lora_name: str | None,
+                             top_k: int, method: str) -> ScoreResult | None:
+        self._check_open()
+        adapter = self._loras.resolve(lora_name)
+        if not self._score_route(prompt, continuation, adapter, top_k, method):
+            return None
+        spec = ScoreSpec(prompt, continuation, top_k)
+        return await self._score_batcher.submit((spec, adapter), (0 if adapter is None else adapter.int_id, spec))
+
+    def _score_futures(self, items: Any, method: str = "auto") -> list[Any] | None:
+        """One future per ``(prompt, continuation, lora_name, top_k)``; an unknown adapter fails
+        its own item. None (rows) when the prompt-logprobs path is off or ``method="rows"``."""
+        self._check_open()
+        if not self._driver.scoring.supported or method == "rows":
+            self._score_route((), (), None, 0, method)  # counts why
+            return None
+        handles: list[Any] = [None] * len(items)
+        ready: list[tuple[ScoreSpec, Adapter | None]] = []
+        where: list[int] = []
+        for i, (prompt, cont, lora_name, top_k) in enumerate(items):
+            try:
+                adapter = self._loras.resolve(lora_name)
+            except ValueError as e:  # UnknownAdapterError: this item only
+                handles[i] = cf.Future()
+                handles[i].set_exception(e)
+                continue
+            if not self._score_route(prompt, cont, adapter, top_k, method):  # a cached row's top-k
+                handles[i] = _rows_topk(self, prompt, lora_name, top_k)
+                continue
+            ready.append((ScoreSpec(tuple(prompt), tuple(cont), top_k), adapter))
+            where.append(i)
+        for i, handle in zip(where, self._start_scores(ready) if ready else (), strict=True):
+            handles[i] = handle
+        return handles
+
     def _compute_rows(self, queries: list[Query]) -> list[torch.Tensor]:
         """Blocking rows for ``queries``; an interrupt (Ctrl-C) aborts their requests."""
         return wait_all(self._start_logprobs(queries))
 
     # ------------------------------------------------------------------ ServingLM hooks
     def _batchers(self) -> tuple[AutoBatcher[Any, Any], ...]:
-        return (self._logprob_batcher, self._sample_batcher)
+        return (self._logprob_batcher, self._sample_batcher, self._score_batcher)
 
     async def _row(self, query: Query) -> torch.Tensor:
         return await self._logprob_batcher.submit(query, query.key)
@@ -395,8 +469,12 @@ class AsyncVirtualLM(ServingLM):
         """
         with self._sync_lock:
             sync = dict(self._sync_stats)
+            fallbacks = dict(self._fallbacks)
+        engine = self._driver.stats()
+        engine["scoring"] = {**engine.get("scoring", {}), "fallback": fallbacks}
         return {
-            **self._driver.stats(),
+            **engine,
+            "score": self._score_batcher.stats,
             "logprobs": self._logprob_batcher.stats,
             "sample": self._sample_batcher.stats,
             "sync": sync,
@@ -407,3 +485,15 @@ class AsyncVirtualLM(ServingLM):
         """Shut the engine down and free its memory."""
         self._driver.shutdown()
         self.cache.clear()
+
+
+def _rows_topk(lm: AsyncVirtualLM, prompt: tuple[int, ...], lora_name: str | None, k: int) -> cf.Future:
+    """A done future holding the top ``k`` after ``prompt`` from its row (a top-k query whose row
+    is in the output cache)."""
+    fut: cf.Future = cf.Future()
+    try:
+        values, indices = torch.topk(lm.next_token_logprobs_sync(prompt, lora_name=lora_name).float(), k)
+        fut.set_result(ScoreResult(torch.empty(0, dtype=torch.float32), indices.cpu(), values.cpu()))
+    except Exception as e:  # noqa: BLE001 - this item's error
+        fut.set_exception(e)
+    return fut

@@ -9,17 +9,29 @@ run in a step. Knobs:
 step raises it), ``gate`` (a semaphore each step acquires: the test releases steps one by one),
 ``forks`` (whether it takes fork markers: a fork whose parent is alive and holds the shared
 tokens reports them as cached, like vLLM's ``prefill_stats``). No vLLM, no sleeps.
+
+Scoring requests (``scoring()``, :mod:`genlm_vlm.engine.scoring`) behave as vLLM's: a request
+reads the longest cached run of whole blocks of its tokens, capped at its length minus one (the
+cache holds every full block of the requests scheduled before it, in the same step too); its
+prompt log-probability rows before that hit are NaN (vLLM leaves them unwritten), the others
+``fake_row(tokens[:j + 1])[tokens[j + 1]]`` and the top ``k``; ``logprobs=k`` gives the top ``k``
+after all its tokens; a tag gets the row for all its tokens. Knobs: ``scoring=False`` (no
+scoring path), ``hit_override`` (tokens -> the hit to report and use), ``refuse_token`` (adding
+a scoring request holding it raises ``ValueError``).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from genlm_vlm.engine import ModelInfo, StepResult
+from genlm_vlm.engine.prompt_logprobs import ScoringFacts
 
 
 def fake_row(tokens: tuple[int, ...], vocab: int) -> torch.Tensor:
@@ -52,7 +64,16 @@ class Output:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
-    prefill_stats: Prefill | None = None
+    prefill_stats: Any = None
+    new_prompt_logprobs_tensors: Any = None
+    new_logprobs: Any = None
+
+
+class FakeLogprobs(NamedTuple):
+    """vLLM's ``LogprobsTensors`` / ``LogprobsLists`` layout: column 0 the token, then the top k."""
+
+    logprob_token_ids: Any
+    logprobs: Any
 
 
 @dataclass
@@ -66,6 +87,7 @@ class _Running:
     out: list[int] = field(default_factory=list)
     cached: int | None = None  # tokens found cached (new requests only)
     fork: tuple[str, int] | None = None  # checked when the request first runs
+    score: dict[str, Any] | None = None  # a scoring request's flags
 
 
 class FakeCore:
@@ -79,9 +101,13 @@ class FakeCore:
         sessions: bool = True,
         gated: bool = False,
         forks: bool = False,
+        scoring: bool = True,
+        block_size: int = 4,
+        max_logprobs: int = 5,
+        token_budget: int = 64,
     ) -> None:
         self.info = ModelInfo(vocab_size=vocab, max_model_len=max_model_len, runner="fake", max_num_seqs=max_num_seqs,
-                              block_size=4, vllm_version="fake")
+                              block_size=block_size, vllm_version="fake")
         self.sink = FakeSink()
         self.llm = None
         self.log_stats = False
@@ -105,6 +131,17 @@ class FakeCore:
         self.changed = threading.Condition()
         self._running: dict[str, _Running] = {}
         self._parked: dict[str, tuple[int, ...]] = {}
+        # scoring
+        self.score_facts = ScoringFacts(True, "fake scoring", block_size=block_size, prefix_caching=True,
+                                        max_logprobs=max_logprobs, token_budget=token_budget,
+                                        max_num_seqs=max_num_seqs)
+        self._scoring = scoring
+        self.cached: set[tuple[Any, tuple[int, ...]]] = set()  # (adapter, block-aligned prefix)
+        self.hit_override: Any = None
+        self.refuse_token: int | None = None
+        self.score_requests: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
+        self.score_computed = 0  # tokens the scoring requests computed (past their hits)
+        self.score_running_max = 0
 
     # -- helpers for tests
     def wait_for(self, predicate: Any, timeout: float = 10.0) -> None:
@@ -136,6 +173,62 @@ class FakeCore:
                                       cached=0 if new else None, fork=fork)
         self._notify()
 
+    # -- scoring (the object scoring() returns is the core itself)
+    def scoring(self) -> Any:
+        return self if self._scoring else None
+
+    @property
+    def facts(self) -> ScoringFacts:
+        return self.score_facts
+
+    def add(self, rid: str, tokens: list[int], lora: Any, *, prompt_logprobs: int | None, logprobs: int | None,
+            tag: str | None, read_cache: bool = True) -> None:
+        if self.refuse_token is not None and self.refuse_token in tokens:
+            raise ValueError(f"token {self.refuse_token} refused")
+        flags = {"prompt_logprobs": prompt_logprobs, "logprobs": logprobs, "read_cache": read_cache,
+                 "adapter": None if lora is None else lora.lora_int_id}
+        self.score_requests.append((rid, tuple(tokens), flags))
+        self._running[rid] = _Running(rid, tuple(tokens), tag, False, self.steps_per_request, score=flags)
+        running = sum(1 for r in self._running.values() if r.score is not None)
+        self.score_running_max = max(self.score_running_max, running)
+        self._notify()
+
+    def _hit(self, r: _Running) -> int:
+        toks, bs = r.tokens, self.score_facts.block_size
+        if not r.score["read_cache"]:
+            return 0
+        if self.hit_override is not None:
+            return int(self.hit_override(toks))
+        hit = 0
+        for end in range(bs, len(toks), bs):  # at most len - 1, whole blocks
+            if (r.score["adapter"], toks[:end]) not in self.cached:
+                break
+            hit = end
+        return hit
+
+    def _score_output(self, r: _Running) -> Output:
+        toks, vocab, flags = r.tokens, self.info.vocab_size, r.score
+        hit = flags["hit"]
+        out = Output(r.rid, [0], "length", prefill_stats=SimpleNamespace(num_cached_tokens=hit))
+        k = flags["prompt_logprobs"]
+        if k is not None:
+            ids = torch.zeros(len(toks) - 1, k + 1, dtype=torch.int32)
+            lps = torch.full((len(toks) - 1, k + 1), float("nan"))
+            for j in range(hit, len(toks) - 1):
+                row = fake_row(toks[: j + 1], vocab)
+                top = torch.topk(row, k)
+                ids[j, 0], lps[j, 0] = toks[j + 1], row[toks[j + 1]]
+                ids[j, 1:], lps[j, 1:] = top.indices.to(torch.int32), top.values
+            out.new_prompt_logprobs_tensors = FakeLogprobs(ids, lps)
+        k = flags["logprobs"]
+        if k is not None:
+            row = fake_row(toks, vocab)
+            top = torch.topk(row, k)
+            ids = np.array([[int(top.indices[0]), *top.indices.tolist()]], dtype=np.int32)
+            lps = np.array([[float(top.values[0]), *top.values.tolist()]], dtype=np.float32)
+            out.new_logprobs = FakeLogprobs(ids, lps)
+        return out
+
     def add_sample(self, rid: str, tokens: list[int], max_tokens: int, temperature: float, eos: tuple[int, ...],
                    lora: Any) -> None:
         self.requests.append((rid, tuple(tokens), None, False))
@@ -166,6 +259,22 @@ class FakeCore:
             if not batch:
                 return StepResult([], False)
             for r in batch:
+                if r.score is not None:
+                    if "hit" not in r.score:  # first scheduled: look up the cache, then cache its blocks
+                        hit = r.score["hit"] = self._hit(r)
+                        self.score_computed += len(r.tokens) - hit
+                        bs = self.score_facts.block_size
+                        for end in range(bs, len(r.tokens) + 1, bs):
+                            self.cached.add((r.score["adapter"], r.tokens[:end]))
+                    if r.tag is not None:
+                        self.sink.rows[r.tag] = self.row_fn(r.tokens, self.info.vocab_size)
+                    r.steps_left -= 1
+                    if r.steps_left > 0:
+                        outputs.append(Output(r.rid, [], None))
+                        continue
+                    outputs.append(self._score_output(r))
+                    del self._running[r.rid]
+                    continue
                 if r.fork is not None:  # like vLLM's scheduler: the parent must be there now
                     parent, shared = r.fork
                     r.fork = None

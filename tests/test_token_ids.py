@@ -1,4 +1,4 @@
-"""``as_token_ids`` with the memo of prompts found valid (:class:`genlm_vlm.base.KnownIds`): a
+"""``as_token_ids`` with the memo of prompts found valid (:class:`genlm_vlm.checks.KnownIds`): a
 prompt that extends a known one by an id skips the range check, and nothing invalid gets in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from genlm_vlm.base import KnownIds, as_token_ids
+from genlm_vlm.checks import KnownIds, as_token_ids
 from genlm_vlm.mock import MockAsyncLM
 
 V = 100

@@ -28,7 +28,6 @@ Threading: every method runs on the engine thread; nothing here is thread-safe.
 from __future__ import annotations
 
 import copy
-import gc
 import inspect
 import re
 import threading
@@ -42,6 +41,7 @@ from ..capture import TAG_KEY, CaptureSink
 from ..rowring import RowRing
 from .build import ModelInfo, _layout_error, build_llm, is_cpu_platform, vllm_version
 from .forks import FORK_KEY, fork_stats
+from .teardown import release_engine, stop_workers
 
 
 @dataclass(slots=True)
@@ -188,73 +188,6 @@ def sessions_supported(version: str | None = None) -> tuple[bool, str]:
 # engine still alive in the process; only the last engine may do that.
 _live: set[int] = set()
 _live_lock = threading.Lock()
-
-
-#: Seconds tensor-parallel workers get to exit after their death pipe closes, then after SIGTERM,
-#: before the next signal (vLLM's own grace period is 5 s plus 4 s).
-WORKER_EXIT_GRACE = (0.5, 1.0)
-
-
-def stop_workers(llm: Any) -> int:
-    """Stop a multiprocessing executor's worker processes quickly: close their death pipes,
-    wait :data:`WORKER_EXIT_GRACE`, then SIGTERM, then SIGKILL. Returns how many workers there
-    were (0 for an in-process executor). vLLM's own shutdown then finds them gone."""
-    try:
-        executor = llm.llm_engine.engine_core.engine_core.model_executor
-    except AttributeError as e:
-        raise _layout_error(f"cannot reach the engine's executor to stop its workers ({e})") from e
-    workers = getattr(executor, "workers", None) or []
-    procs = [w.proc for w in workers if getattr(w, "proc", None) is not None]
-    if not procs:
-        return 0
-    for w in workers:
-        if getattr(w, "death_writer", None) is not None:
-            w.death_writer.close()
-            w.death_writer = None
-    for grace, signal_next in zip(WORKER_EXIT_GRACE, ("terminate", "kill"), strict=True):
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        alive = [p for p in procs if p.is_alive()]
-        if not alive:
-            break
-        for proc in alive:
-            getattr(proc, signal_next)()
-    for proc in procs:
-        proc.join(1.0)
-    return len(procs)
-
-
-def release_engine(llm: Any, *, last: bool) -> None:
-    """Free an engine. ``last``: no other engine lives in this process (full vLLM teardown).
-
-    Otherwise the in-process EngineCore is taken apart like ``EngineCore.shutdown`` does, minus
-    its final ``cleanup_dist_env_and_memory()``, and the client's finalizer (which would run the
-    full shutdown when the client is collected) is detached.
-    """
-    client = llm.llm_engine.engine_core
-    if last:
-        client.shutdown()
-        return
-    try:
-        core = client.engine_core
-        finalizer = client._finalizer
-        executor, scheduler = core.model_executor, core.scheduler
-        structured = core.structured_output_manager
-    except AttributeError as e:
-        raise _layout_error(f"cannot reach the in-process EngineCore to free it ({e})") from e
-    finalizer.detach()
-    structured.clear_backend()
-    if executor is not None:
-        executor.shutdown()
-    if scheduler is not None:
-        scheduler.shutdown()
-    core.model_executor = None
-    core.scheduler = None
-    gc.unfreeze()  # EngineCore gc.freeze()s its start-up objects; let them be collected
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------ the real core
@@ -427,6 +360,16 @@ class VLLMCore:
             detokenize=False,
         )
         self._submit(self._make_request(rid, tokens, params, lora, False))
+
+    def scoring(self) -> Any:
+        """This engine's scoring requests (prompt log-probabilities; see :mod:`.prompt_logprobs`),
+        built on first use."""
+        requests = self.__dict__.get("_score_requests")
+        if requests is None:
+            from .prompt_logprobs import ScoreRequests
+
+            requests = self.__dict__["_score_requests"] = ScoreRequests(self)
+        return requests
 
     def abort(self, rids: list[str]) -> None:
         """Finish these requests (running, waiting or parked sessions) and free their KV blocks."""

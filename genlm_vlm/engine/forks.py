@@ -219,3 +219,21 @@ def fork_stats(scheduler: Any) -> tuple[tuple[bool, str], dict[str, int], dict[s
     if not isinstance(scheduler, _ForkMixin):
         return None
     return scheduler.fork_support, dict(scheduler.fork_counts), dict(scheduler.fork_fallbacks)
+
+
+def count_fork(counts: dict[str, int], shared: int, prefill: Any, block: int) -> None:
+    """Count one finished fork in ``counts`` (``copied``, ``aligned``, ``reprefilled``,
+    ``saved_tokens``): whether it computed only what came after its parent's ``shared`` tokens,
+    read from vLLM's ``prefill_stats.num_local_cached_tokens`` (nothing is counted when the core
+    does not report it). ``block``: the KV block size in tokens."""
+    cached = getattr(prefill, "num_local_cached_tokens", None)
+    if cached is None:
+        return
+    full = shared - shared % block
+    if int(cached) < shared:
+        counts["reprefilled"] += 1
+    elif shared == full:
+        counts["aligned"] += 1
+    else:
+        counts["copied"] += 1
+        counts["saved_tokens"] += shared - full

@@ -55,6 +55,8 @@ from .jobs import (
     Ticket,
     adapter_key,
 )
+from .prompt_logprobs import ScoringFacts, unsupported
+from .scoring import ScoreSpec
 from .steps import DEFAULT_KV_EVICT_THRESHOLD, StepLoop
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,7 @@ class EngineDriver:
         self.sessions_reason = ""
         self.forks_reason = ""
         self.log_stats = False
+        self.scoring: ScoringFacts = unsupported("the engine is not built")
         # --- engine thread only (built on it, once the core is up) ---
         self._loop: StepLoop | None = None
         self._thread = threading.Thread(target=self._main, args=(core_factory,), name=ENGINE_THREAD_PREFIX, daemon=True)
@@ -253,6 +256,14 @@ class EngineDriver:
             jobs.append(Job("sample" if spec.seed is None else "seeded", spec.ids, spec.lora, [], spec=spec))
         return self._submit(jobs, listener, payloads)
 
+    def submit_scores(self, specs: Sequence[ScoreSpec], listener: Listener | None = None,
+                      payloads: Sequence[Any] | None = None) -> list[Any]:
+        """Queue scoring queries (see :mod:`.scoring`); each resolves to a
+        :class:`~.scoring.ScoreResult` (CPU tensors the waiter owns). Needs ``scoring.supported``
+        (the waiters fail otherwise). Waiters as in :meth:`submit_logprobs`."""
+        jobs = [Job("score", spec.prompt + spec.continuation, spec.lora, [], spec=spec) for spec in specs]
+        return self._submit(jobs, listener, payloads)
+
     def _submit(self, jobs: list[Job], listener: Listener | None, payloads: Sequence[Any] | None) -> list[Any]:
         waiters: list[Any] = []
         for i, job in enumerate(jobs):
@@ -351,6 +362,7 @@ class EngineDriver:
                 max_sessions=self._max_sessions, kv_threshold=self._kv_threshold, parts=self._parts,
                 forks=(forks_ok, self.forks_reason),
             )
+            self.scoring = self._loop._scoring.facts
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._start_error = e
             if self.core is not None:

@@ -77,6 +77,44 @@ def vllm_option_names(llm_cls: Any) -> set[str] | None:
     return fields | named
 
 
+def vllm_option_names_from_source() -> set[str] | None:
+    """The names :func:`vllm_option_names` gives, read from the installed vLLM's source files
+    without importing vLLM (about 40 ms instead of seconds): the annotated fields of
+    ``EngineArgs`` (``vllm/engine/arg_utils.py``) and the parameters of ``LLM.__init__``
+    (``vllm/entrypoints/llm.py``). None when vLLM is not installed or the files are not laid
+    out so (then the names are checked when the engine is built)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    root = os.path.dirname(spec.origin)
+
+    def class_body(rel: str, name: str) -> list[ast.stmt] | None:
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            return None
+        return next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+    engine_args, llm = class_body("engine/arg_utils.py", "EngineArgs"), class_body("entrypoints/llm.py", "LLM")
+    init = next((f for f in llm or () if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    if engine_args is None or init is None:
+        return None
+    fields = {
+        n.target.id for n in engine_args
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        and "ClassVar" not in ast.unparse(n.annotation)
+    }
+    params = {a.arg for a in (*init.args.posonlyargs, *init.args.args, *init.args.kwonlyargs)} - {"self"}
+    return fields | params if fields else None
+
+
 def check_engine_opts(opts: dict[str, Any]) -> None:
     for forbidden in ("logits_processors",):
         if forbidden in opts:

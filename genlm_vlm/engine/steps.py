@@ -23,8 +23,10 @@ from ..dedup import TokensKey
 from .build import ModelInfo
 from .core import EngineCore, StepResult
 from .eviction import SessionEviction
+from .forks import count_fork
 from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
 from .sampler import draw_token, seeded_generator
+from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class StepLoop(SessionEviction):
         # Wall time of the engine thread since the loop started, split three ways (seconds):
         # inside core.step(), our own work, and waiting for work (the program's turn).
         self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
+        self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
 
     def run(self) -> None:
         clock = time.perf_counter
@@ -113,6 +116,7 @@ class StepLoop(SessionEviction):
                 self.stop(stop)
                 return
             self._admit()
+            self._scoring.admit()
             if self._by_rid:
                 # Before the step too: vLLM counts parked sessions toward max_num_seqs and never
                 # preempts them, so after a resample the unchosen parents would keep forks waiting.
@@ -163,6 +167,9 @@ class StepLoop(SessionEviction):
             job = queue[0]
             if not job.wanted():
                 queue.popleft()
+                continue
+            if job.kind in SCORING_KINDS:  # admitted by the scoring queue, under its own caps
+                self._scoring.enqueue(queue.popleft())
                 continue
             if self._split_lora and self._by_rid:
                 busy_lora = next(iter(self._by_rid.values())).lora is not None
@@ -285,6 +292,9 @@ class StepLoop(SessionEviction):
     def _route_one(self, job: Job, out: Any, core: EngineCore) -> torch.Tensor | None:
         """Handle one output of ``job``; returns its row when a row job finished (the caller
         delivers the step's rows together)."""
+        if job.kind in SCORING_KINDS:
+            self._scoring.route(job, out)
+            return None
         if job.kind == "sample":
             job.out.extend(out.new_token_ids)
             if out.finish_reason is not None:
@@ -300,7 +310,7 @@ class StepLoop(SessionEviction):
         if prefill is not None:
             self._tokens["cached"] += int(getattr(prefill, "num_cached_tokens", 0) or 0)
         if job.fork is not None:
-            self._count_fork(job.fork[1], prefill)
+            count_fork(self._forks, job.fork[1], prefill, self._block)
         row = core.sink.pop(job.tag)  # type: ignore[arg-type]
         if row is None:
             self._end_job(job, exc=RuntimeError(
@@ -376,22 +386,6 @@ class StepLoop(SessionEviction):
         # A session job sends the token as a chunk; a plain one, a new request per token.
         self._start_rows(job, job.ids + tuple(job.out))
 
-    def _count_fork(self, shared: int, prefill: Any) -> None:
-        """Whether a finished fork computed only what came after its parent's ``shared``
-        tokens (vLLM reports how many of its tokens it found cached)."""
-        cached = getattr(prefill, "num_local_cached_tokens", None)
-        if cached is None:
-            return  # the core does not say
-        full = shared - shared % self._block
-        counts = self._forks
-        if int(cached) < shared:
-            counts["reprefilled"] += 1
-        elif shared == full:
-            counts["aligned"] += 1
-        else:
-            counts["copied"] += 1
-            counts["saved_tokens"] += shared - full
-
     def _read_stats(self, result: StepResult) -> None:
         if result.scheduled_tokens is not None:
             self._tokens["scheduled"] += result.scheduled_tokens
@@ -418,11 +412,15 @@ class StepLoop(SessionEviction):
             "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
             "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
             "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
+            "scoring": self._scoring.stats(),
         }
 
     # ---------------------------------------------------------------- job endings
     def _end_job(self, job: Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:
         """Resolve ``job``; park its session (success) or abort its request (``abort``)."""
+        if job.kind in SCORING_KINDS:
+            self._scoring.end(job, exc, abort)
+            return
         rid = job.rid
         if rid is not None and self._by_rid.get(rid) is job:
             del self._by_rid[rid]
@@ -448,6 +446,9 @@ class StepLoop(SessionEviction):
         self._outbox.resolve(job, value, exc)
 
     def _cancel(self, job: Job) -> None:
+        if job.kind in SCORING_KINDS:
+            self._scoring.cancel(job)
+            return
         if job.kind == "logprobs":  # its waiters may have joined an identical job in flight
             job = self._by_key.get((job.adapter, job.ids), job)
         if job.wanted():
@@ -469,6 +470,7 @@ class StepLoop(SessionEviction):
             err = RuntimeError("the engine was shut down while the request was pending")
         for job in list(self._by_rid.values()) + list(self._queue):
             self._outbox.resolve(job, exc=err)
+        self._scoring.stop(err)
         self._by_rid.clear()
         self._by_key.clear()
         self._queue.clear()

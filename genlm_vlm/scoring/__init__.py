@@ -17,7 +17,8 @@ Command line (one JSON object per line in, one per line out, in input order)::
     python -m genlm_vlm score IN.jsonl OUT.jsonl [--model NAME_OR_PATH] [--top-k K]
         [--chunk-size N] [--engine-opt key=value ...] [--no-progress] [--quiet | --verbose]
 
-It writes every record's result, then exits with status 0 when every record was scored, 1 when
+It writes every record's result, prints a summary (records scored, errors, records/s and
+tokens/s) on stderr, then exits with status 0 when every record was scored, 1 when
 any record failed (its output line has an ``error`` field) or the engine could not be built, and
 2 for bad options (checked before the model is loaded).
 
@@ -61,16 +62,19 @@ missing or empty prompt, wrong types, token ids outside the vocabulary, prompt +
 longer than the model's ``max_model_len``) gives ``{"id": ..., "line": n, "error": "..."}`` and the other
 records are scored as usual.
 
-How it runs: every record needs the rows of its prefixes ``prompt``, ``prompt + c_1``, ...,
-``prompt + c_<n`` (the last continuation token needs no row of its own). Records are read
-lazily; their prefixes are queued and sent to :meth:`AsyncVirtualLM.batch_next_token_logprobs_sync`
-``chunk_size`` at a time, and each chunk of rows is reduced to the few numbers kept (top-k and
-the continuation tokens' log-probabilities) before the next chunk is built. So memory stays
-bounded by one chunk of ``[chunk_size, V]`` rows and about ``chunk_size`` records, whatever the
-input size. Prefixes of one record share their KV blocks through vLLM's prefix cache (on by
-default in genlm_vlm), so scoring a continuation costs about one forward pass over it.
-The model's own output cache (``cache_size``) also keeps the rows it computes; a prompt that
-appears in several records is computed once while its row stays cached.
+How it runs: where the model has it (an :class:`~genlm_vlm.AsyncVirtualLM` on vLLM >= 0.32,
+the default ``logprobs_mode``, no ``enable_lora``), every record is one scoring query computed
+from vLLM's prompt log-probabilities (``continuation_logprobs``' path: no full rows; a prompt
+shared by several records, as in multiple choice, is computed once). Records are read lazily and
+submitted in small groups as they are read; at most ``chunk_size`` records are held (read, in
+flight, or finished and waiting for an earlier one), so memory is bounded whatever the input
+size. Elsewhere (or for a model without that path) every record needs the rows of its prefixes
+``prompt``, ``prompt + c_1``, ..., ``prompt + c_<n`` (the last continuation token needs no row
+of its own): they are queued and sent to
+:meth:`AsyncVirtualLM.batch_next_token_logprobs_sync` ``chunk_size`` at a time, and each chunk of
+rows is reduced to the few numbers kept (top-k and the continuation tokens' log-probabilities)
+before the next chunk is built; prefixes of one record share their KV blocks through vLLM's
+prefix cache, and the model's output cache keeps the rows it computes.
 
 Module map (internal modules; the names below are the public ones): :mod:`.records` (fields
 and their checks), :mod:`.scorer` (:func:`score_records`), :mod:`.cli` (JSONL files and the

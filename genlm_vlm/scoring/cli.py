@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
@@ -119,6 +120,43 @@ def _count_lines(path: str) -> int | None:
         return None
 
 
+class _Progress:
+    """The progress bar and the summary line of ``score``: records and tokens per second, over
+    the scoring itself (from the first record read, the engine's start-up excluded). Tokens are
+    the prompt and continuation tokens of the records scored."""
+
+    def __init__(self, total: int | None, disable: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="scoring", unit="record", disable=disable, file=sys.stderr)
+        self.ok = self.errors = self.tokens = 0
+        self.start = time.perf_counter()
+        self._shown = self.start
+
+    def add(self, result: dict[str, Any]) -> None:
+        if "error" in result:
+            self.errors += 1
+        else:
+            self.ok += 1
+            self.tokens += int(result.get("prompt_tokens", 0)) + int(result.get("continuation_tokens", 0))
+        self.bar.update(1)
+        now = time.perf_counter()
+        if now - self._shown >= 0.5:
+            self._shown = now
+            self.bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):,.0f} tokens/s", refresh=False)
+
+    def close(self) -> None:
+        self.elapsed = time.perf_counter() - self.start
+        self.bar.close()
+
+    def summary(self) -> str:
+        t = max(getattr(self, "elapsed", time.perf_counter() - self.start), 1e-9)
+        return (
+            f"scored {self.ok}, errors {self.errors} in {t:.1f} s: "
+            f"{(self.ok + self.errors) / t:,.1f} records/s, {self.tokens / t:,.0f} tokens/s"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m genlm_vlm score",
@@ -144,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
         "--top-k", type=int, default=5, help="next tokens to list per record; 0 for none (default 5)"
     )
     p.add_argument(
-        "--chunk-size", type=int, default=256, help="prefixes per engine call (default 256)"
+        "--chunk-size", type=int, default=256,
+        help="records in flight (prefixes per engine call where rows are used) (default 256)",
     )
     add_engine_opt_option(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -211,18 +250,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             counts = _score_file(args, model, engine_opts, results_out)
     if counts is None:
         return 1
-    n_ok, n_err = counts
     if not args.quiet:
-        print(f"scored {n_ok}, errors {n_err}", file=sys.stderr)
-    return 1 if n_err else 0
+        print(counts.summary(), file=sys.stderr)
+    return 1 if counts.errors else 0
 
 
 def _score_file(
     args: argparse.Namespace, model: str, engine_opts: dict[str, Any], stdout: IO[str]
-) -> tuple[int, int] | None:
-    """``(scored, errors)``; None (after a one-line message) when the engine cannot be built."""
-    from tqdm.auto import tqdm
-
+) -> _Progress | None:
+    """The counts (scored, errors, tokens, time); None (after a one-line message) when the
+    engine cannot be built."""
     from ..vllm_lm import AsyncVirtualLM
 
     verbose = logs.vllm_log_level() <= logging.INFO
@@ -238,30 +275,19 @@ def _score_file(
             file=sys.stderr,
         )
         return None
-    n_ok = n_err = 0
     # bytes: a line that is not UTF-8 becomes that line's error record (see read_jsonl); a
     # stdin without bytes (replaced by a text stream) gives str lines
     src: IO[Any] = getattr(sys.stdin, "buffer", sys.stdin) if args.input == "-" else open(args.input, "rb")
     try:
         with _output(args.output, stdout) as dst:
             total = None if args.input == "-" else _count_lines(args.input)
-            bar = tqdm(
-                total=total,
-                desc="scoring",
-                unit="record",
-                disable=args.no_progress or args.quiet,
-                file=sys.stderr,
-            )
+            progress = _Progress(total, disable=args.no_progress or args.quiet)
             for result in _Scorer(lm, args.top_k, args.chunk_size).score(read_jsonl(src)):
                 _write_result(dst, result)
-                if "error" in result:
-                    n_err += 1
-                else:
-                    n_ok += 1
-                bar.update(1)
-            bar.close()
+                progress.add(result)
+            progress.close()
     finally:
         if args.input != "-":
             src.close()
         lm.cleanup()
-    return n_ok, n_err
+    return progress

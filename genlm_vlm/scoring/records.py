@@ -55,6 +55,8 @@ class _Job:
     token_logprobs: list[float] = field(default_factory=list)
     remaining: int = 0
     error: str | None = None
+    future: Any = None
+    """The prompt-logprobs path: the engine's future of this record, once submitted."""
 
     def prefix_lengths(self) -> range:
         """Continuation lengths ``k`` whose prefix ``prompt + c[:k]`` needs a row."""

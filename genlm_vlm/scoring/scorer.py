@@ -1,7 +1,9 @@
-"""Scoring records with a model: prefixes sent ``chunk_size`` at a time, each chunk of rows
-reduced to the numbers kept (top-k, the continuation's log-probabilities) before the next is
-built, results yielded in input order (see "How it runs" in :mod:`genlm_vlm.scoring`).
-Internal module of :mod:`genlm_vlm.scoring`, which exports :func:`score_records`.
+"""Scoring records with a model, results yielded in input order (see "How it runs" in
+:mod:`genlm_vlm.scoring`). Two paths: vLLM's prompt log-probabilities (one scoring query per
+record, at most ``chunk_size`` records in flight; :meth:`_Scorer._score_direct`) where the model
+has them, else rows (prefixes sent ``chunk_size`` at a time, each chunk of rows reduced to the
+numbers kept before the next is built). Internal module of :mod:`genlm_vlm.scoring`, which
+exports :func:`score_records`.
 """
 
 from __future__ import annotations
@@ -127,6 +129,88 @@ class _Scorer:
 
     def score(self, numbered: Iterable[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
         """Results for ``(line, record)`` pairs, in input order (see :func:`score_records`)."""
+        hook = getattr(self.lm, "_score_futures", None)
+        if callable(hook) and hook([], "auto") is not None:
+            return self._score_direct(numbered)
+        return self._score_rows(numbered)
+
+    def _submit(self, batch: list[_Job]) -> None:
+        """One scoring query per record of ``batch`` (prompt-logprobs path)."""
+        if not batch:
+            return
+        items = [(j.prompt, j.continuation or (), j.lora_name, self.top_k if j.want_top else 0) for j in batch]
+        for job, fut in zip(batch, self.lm._score_futures(items, "auto"), strict=True):
+            job.future = fut
+        batch.clear()
+
+    def _take(self, job: _Job) -> None:
+        """Wait for ``job``'s result and keep what the output needs (prompt-logprobs path).
+        An invalid record's error (``ValueError``, ``TypeError``) is its own; any other error
+        is raised."""
+        try:
+            found = job.future.result()
+        except (TypeError, ValueError) as e:
+            job.error = str(e)
+            return
+        if job.continuation is not None:
+            job.token_logprobs = found.logprobs.tolist()
+        if job.want_top:
+            if self._text is None:
+                self._text = _token_text(self.lm)
+            job.top = [
+                {"token_id": int(i), "token": self._text(int(i)), "logprob": float(v)}
+                for i, v in zip(found.top_ids.tolist(), found.top_logprobs.tolist(), strict=True)
+            ]
+        job.remaining = 0
+
+    def _score_direct(self, numbered: Iterable[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
+        """The prompt-logprobs path: records are submitted in small groups as they are read;
+        at most ``chunk_size`` records (pending results, errors included) are held."""
+        want_top = self.top_k > 0
+        pending: deque[_Job | dict[str, Any]] = deque()
+        batch: list[_Job] = []
+        group = max(1, self.chunk_size // 8)
+
+        def drain(wait: bool) -> Iterator[dict[str, Any]]:
+            """Yield the finished heads; wait for an unfinished head while ``chunk_size`` records
+            are held, or for every head with ``wait``."""
+            while pending:
+                head = pending[0]
+                if isinstance(head, _Job) and head.remaining > 0:
+                    must = wait or len(pending) >= self.chunk_size
+                    if head.future is None:
+                        if not must:
+                            return
+                        self._submit(batch)
+                    elif not (must or head.future.done()):
+                        return
+                    self._take(head)
+                pending.popleft()
+                yield head.result() if isinstance(head, _Job) else head
+
+        try:
+            for line, record in numbered:
+                try:
+                    job = _prepare(self.lm, line, record, want_top, self.lora_name)
+                except RecordError as e:
+                    rid = record.get("id") if isinstance(record, dict) else None
+                    pending.append(_error(rid, line, str(e)))
+                else:
+                    pending.append(job)
+                    if job.remaining > 0:
+                        batch.append(job)
+                        if len(batch) >= group:
+                            self._submit(batch)
+                yield from drain(wait=False)
+            self._submit(batch)
+            yield from drain(wait=True)
+        finally:  # an error, an interrupt or a consumer that stops early: abort the rest
+            for item in pending:
+                if isinstance(item, _Job) and item.future is not None:
+                    item.future.cancel()
+
+    def _score_rows(self, numbered: Iterable[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
+        """The row path: prefixes sent ``chunk_size`` at a time."""
         want_top = self.top_k > 0
         pending: deque[_Job | dict[str, Any]] = deque()  # outputs not yet yielded, in order
         work: deque[tuple[_Job, int]] = deque()  # prefixes not yet computed
