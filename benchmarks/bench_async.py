@@ -33,7 +33,11 @@ credited with all N rows of a round. vLLM's prefix caches are reset before every
 (``--keep-prefix-cache`` to keep them), so the repetitions do the same work as the warm-up.
 Each system gets one warm-up repetition, then ``--reps`` timed repetitions (interleaved
 across systems, to spread machine noise evenly); the median is reported. Results go to
-``<out>/<tag>.json`` and ``<out>/<tag>.png``. See benchmarks/README.md.
+``<out>/<tag>.json`` and ``<out>/<tag>.png``. Each system's work is recorded too: engine
+requests, and for ours and ``decode`` the tokens the engine computed (``stats['tokens']
+['scheduled']``; for decode the prompt tokens vLLM did not find cached plus each decoded token
+after the first, from ``RequestOutput.num_cached_tokens``) and ours' forks (``stats['forks']``).
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -131,6 +135,8 @@ class Measurement:
     rows: float  # rows delivered (rounds x N; prorated for a truncated logprobs round)
     latencies: list[float]  # per row: seconds from request to result
     engine_prompts: int  # prompts the engine actually computed
+    computed_tokens: int | None = None  # tokens the engine computed (ours, decode)
+    forks: dict[str, int] | None = None  # ours: forks copied / aligned / re-prefilled
 
     @property
     def seconds(self) -> float:
@@ -253,25 +259,33 @@ class Ours:
         self.loop = loop
         self.reset_prefix = reset_prefix
 
-    def _prepare(self) -> int:
+    def _prepare(self) -> dict[str, Any]:
         self.lm.clear_cache()  # never serve a repetition from the previous one's rows
         if self.reset_prefix:
             self.lm.release_sessions()
             _reset_prefix_cache(self.lm.llm, self.lm._driver.call)
-        return self.lm.stats["engine_requests"]
+        return self.lm.stats
+
+    def _work(self, m: Measurement, before: dict[str, Any]) -> None:
+        """The engine's work in this run: requests, tokens computed, forks."""
+        after = self.lm.stats
+        m.engine_prompts = after["engine_requests"] - before["engine_requests"]
+        t0, t1 = before["tokens"]["scheduled"], after["tokens"]["scheduled"]
+        m.computed_tokens = None if t0 is None or t1 is None else t1 - t0
+        m.forks = {k: after["forks"][k] - before["forks"][k] for k in ("copied", "aligned", "reprefilled")}
 
     def run_smc(self, cell: Workload, steps: int, seed: int, resample_every: int = 0) -> tuple[Measurement, list]:
         before = self._prepare()
         m, record = self.loop.run_until_complete(
             _ours_smc(self.lm, cell.shared_prompt, cell.n, steps, seed, resample_every)
         )
-        m.engine_prompts = self.lm.stats["engine_requests"] - before
+        self._work(m, before)
         return m, record
 
     def run(self, cell: Workload) -> Measurement:
         before = self._prepare()
         m = self.loop.run_until_complete(_ours_rounds(self.lm, cell.rounds))
-        m.engine_prompts = self.lm.stats["engine_requests"] - before
+        self._work(m, before)
         return m
 
 
@@ -358,10 +372,13 @@ class PlainDecode:
         prompts = [TokensPrompt(prompt_token_ids=cell.shared_prompt + [3 + i % 997]) for i in range(cell.n)]
         params = SamplingParams(max_tokens=steps, temperature=1.0, detokenize=False, ignore_eos=True)
         t0 = time.perf_counter()
-        self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
+        # tokens computed: prompt tokens not found cached, plus each decoded token after the first
+        computed = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) + len(o.outputs[0].token_ids) - 1
+                       for o in outs)
         # every step stands for N rows; spread the time evenly so ratios can use any rounds
-        return Measurement({i: dt / steps for i in range(steps)}, cell.n * steps, [dt] * cell.n, cell.n)
+        return Measurement({i: dt / steps for i in range(steps)}, cell.n * steps, [dt] * cell.n, cell.n, computed)
 
 
 # --------------------------------------------------------------------------- transformers
@@ -508,7 +525,8 @@ def _table(results: list[dict], ratios: list[dict]) -> str:
     head = (
         f"{'workload':<12} {'N':>4} {'ours':>7} {'lat ms':>7} {'ceiling':>8} {'decode':>8} "
         f"{'lp=-1':>7} {'hf':>7} {'requests':>8}   {'ours/ceiling':<14} {'(best)':<6} "
-        f"{'ours/decode':<14} {'ours/lp=-1':<15} {'ours/hf':<8} {'ours/requests':<8}"
+        f"{'ours/decode':<14} {'ours/lp=-1':<15} {'ours/hf':<8} {'ours/requests':<13} {'computed':>8} "
+        f"{'forks c/a/r':>11}"
     )
     lines = ["rates in rows/s (one row = one full-vocabulary next-token distribution); "
              "lat ms = mean time from await to row", head, "-" * len(head)]
@@ -520,6 +538,8 @@ def _table(results: list[dict], ratios: list[dict]) -> str:
             return None if r is None else r["rows_per_s"]
 
         ours = by[(w, n, "ours")]
+        fk = ours.get("forks")
+        forks = "/".join(str(fk[k]) for k in ("copied", "aligned", "reprefilled")) if fk else "-"
         td = ra.get("decode_target")
         lines.append(
             f"{w:<12} {n:>4} {_fmt_rate(ours['rows_per_s']):>7} {ours['mean_latency_ms']:>7.1f} "
@@ -530,13 +550,16 @@ def _table(results: list[dict], ratios: list[dict]) -> str:
             f"{_x(ra['ours_over_ceiling_best']):<6} "
             f"{(_verdict(ra['ours_over_decode'], td, n) if td else '-'):<14} "
             f"{_verdict(ra['ours_over_logprobs'], TARGET_VS_LOGPROBS, n):<15} "
-            f"{_x(ra['ours_over_hf']):<8} {_x(ra.get('ours_over_requests')):<8}"
+            f"{_x(ra['ours_over_hf']):<8} {_x(ra.get('ours_over_requests')):<13} "
+            f"{_x(ra.get('computed_ours_over_decode')):>8} {forks:>11}"
         )
     lines.append(
         f"targets at N >= {TARGET_MIN_N}: ours/ceiling >= {TARGET_VS_CEILING}, ours/decode >= "
         + ", ".join(f"{v} ({k})" for k, v in TARGET_VS_DECODE.items())
         + f", ours/lp=-1 >= {TARGET_VS_LOGPROBS}. rows/s and ratios: medians over repetitions; "
-        "(best): ratio of the fastest repetitions"
+        "(best): ratio of the fastest repetitions; computed: tokens the engine computed, ours over "
+        "decode's (SMC workloads); forks c/a/r: ours' forks in the last repetition that copied "
+        "their parent's tail block / found it block-aligned / re-prefilled it"
     )
     return "\n".join(lines)
 
@@ -665,6 +688,7 @@ def measure_cell(
             "rows_per_s": _rate(ms[-1].rows, times, statistics.median),
             "best_rows_per_s": _rate(ms[-1].rows, times, min),
             "mean_latency_ms": 1e3 * statistics.fmean(lats),
+            "computed_tokens": ms[-1].computed_tokens, "forks": ms[-1].forks,
         }
 
     def ratio(sname: str, best: bool = False) -> float | None:
@@ -686,6 +710,9 @@ def measure_cell(
         "ours_over_ceiling": rc, "ours_over_logprobs": rl, "ours_over_hf": ratio("hf"),
         "ours_over_decode": rd, "ours_over_decode_best": ratio("decode", True),
         "ours_over_requests": ratio("requests"), "decode_target": td,
+        "computed_ours_over_decode": (results["ours"]["computed_tokens"] / results["decode"]["computed_tokens"])
+        if "decode" in results and results["ours"]["computed_tokens"] and results["decode"]["computed_tokens"]
+        else None,
         "decode_pass": None if rd is None or td is None or n < TARGET_MIN_N else rd >= td,
         "ours_over_ceiling_best": ratio("ceiling", True),
         "ours_over_logprobs_best": ratio("logprobs", True),

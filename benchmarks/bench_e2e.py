@@ -41,7 +41,7 @@ one timed run in that cell: ``reps_run``):
   token replaced by N distinct tokens (no two share decode work), T' split so the total is
   exact. Before every run its prefix cache is reset and then warmed, untimed, with the shared
   prompt (so vLLM prefills only each prompt's tail, as ours does once per particle; ours also
-  re-prefills forks' tails after every resampling). Each run also times the same call with an
+  shares forks' tails through copy-on-write, see ``--forks``). Each run also times the same call with an
   empty prefix cache (``decode_cold_s``: every prompt prefilled whole; not used in ratios). The
   effective engine configuration of both vLLM engines is read back and compared
   (``engine_config``).
@@ -56,7 +56,12 @@ live child processes) over wall seconds and split by thread (``thread_cpu_s``: t
 main thread, ours' engine thread, the rest, e.g. OpenMP workers), particle-steps and steps,
 and for ``ours`` the change of every numeric ``lm.stats`` counter, notably ``engine_time``
 (``step_s``: vLLM stepping; ``host_s``: genlm_vlm's host work on the engine thread;
-``idle_s``: the engine thread waiting for the program). Ratios, in time terms: ``ours/decode`` = decode_s / ours_s (1.0 = at vLLM's
+``idle_s``: the engine thread waiting for the program), the tokens the engine computed
+(``stats['tokens']['scheduled']``; for ``decode`` the prompt tokens vLLM did not find cached plus
+every decoded token after the first, from ``RequestOutput.num_cached_tokens``: the table's
+``computed`` is ours over decode's) and the forks (``stats['forks']``: copied, aligned,
+re-prefilled). ``--forks off`` builds ours with ``forks=False`` (an extra row: a fork then
+re-prefills its parent's unfinished block). Ratios, in time terms: ``ours/decode`` = decode_s / ours_s (1.0 = at vLLM's
 decode floor), ``ours_vs_transformers`` = transformers_s / ours_s, ``serial_bound`` = decode_s /
 (decode_s + mock program_s): what ours would reach if engine and program took turns at no other
 cost. Targets (issue 18): ours/decode >= 0.75 at N=32 on the 6-layer model, ours >= 3x
@@ -116,6 +121,8 @@ ENGINE_OPTS: dict[str, Any] = {
 #: Benchmark name -> ``genlm_vlm.testing`` model kind.
 MODELS: dict[str, str] = {"6-layer": "llama-2k-mid", "qwen2-0.5b": "qwen2-0.5b-shape"}
 SYSTEMS = ("ours", "mock", "decode", "transformers")
+#: Environment variable the ``ours`` worker reads: "0" builds it with ``forks=False`` (``--forks off``).
+FORKS_ENV = "GENLM_VLM_BENCH_FORKS"
 PROGRAM_SYSTEMS = ("ours", "mock", "transformers")
 
 PROMPT = '"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps over the lazy dog and'
@@ -281,7 +288,8 @@ class ProgramRunner:
         if system == "ours":
             from genlm_vlm import AsyncVirtualLM
 
-            self.lm = AsyncVirtualLM.from_name(path, dict(engine_opts))
+            # forks on (the default) unless --forks off (an extra row, never the headline)
+            self.lm = AsyncVirtualLM.from_name(path, dict(engine_opts), forks=os.environ.get(FORKS_ENV, "1") != "0")
         elif system == "mock":
             import math
 
@@ -485,9 +493,14 @@ class DecodeRunner:
         cpu = _cpu_seconds() - c0
         threads = _thread_split(th0, _thread_cpu(), {"main": threading.get_native_id()})
         made = sum(len(o.outputs[0].token_ids) for o in outs)
+        # tokens the engine computed: prompt tokens not found cached, plus each decoded token
+        # after the first (fed back once); ours reports the same count (stats['tokens']['scheduled'])
+        computed = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) + len(o.outputs[0].token_ids) - 1
+                       for o in outs)
         return {
             "wall_s": wall, "cpu_s": cpu, "cpu_per_wall": cpu / wall if wall > 0 else None,
-            "cold_wall_s": cold, "particle_steps": made, "tokens_requested": tokens, "prompts": len(prompts),
+            "cold_wall_s": cold, "particle_steps": made, "computed_tokens": computed, "tokens_requested": tokens,
+            "prompts": len(prompts),
             "max_tokens_per_prompt": q + (1 if r else 0), "thread_cpu_s": threads,
             "genlm_backend_imported": "genlm.backend" in sys.modules,
         }
@@ -681,6 +694,15 @@ def _cell(name: str, n: int, t: int, tokens: int, systems: Sequence[str], warm: 
                              for k in runs[s][0].get("thread_cpu_s", {})} for s in systems if runs[s]},
         "warmup": warm, "runs": runs,
     }
+    ours_runs = runs.get("ours") or []
+    cell["computed_tokens"] = {
+        "ours": _median([r["stats_delta"].get("tokens", {}).get("scheduled") for r in ours_runs
+                         if r.get("stats_delta", {}).get("tokens", {}).get("scheduled") is not None]),
+        "decode": _median([r["computed_tokens"] for r in runs.get("decode", [])]),
+    }
+    cell["computed_ours_over_decode"] = _ratio(cell["computed_tokens"]["ours"], cell["computed_tokens"]["decode"])
+    cell["forks"] = {k: _median([r.get("stats_delta", {}).get("forks", {}).get(k, 0) for r in ours_runs])
+                     for k in ("copied", "aligned", "reprefilled", "saved_tokens")} if ours_runs else None
     for s in ("mock", "transformers"):
         w = warm.get(s)
         if w:
@@ -706,23 +728,28 @@ def _f(x: float | None, spec: str = ".3f") -> str:
 def _table(cells: list[dict]) -> str:
     head = (f"{'model':<11} {'N':>4} {'tokens':>6} {'rsmp':>4} {'ours s':>8} {'mock s':>8} {'(prog)':>7} "
             f"{'decode s':>8} {'(cold)':>7} {'transf s':>8} {'ours/decode':>11} {'vs transf':>9} {'serial':>6} "
-            f"{'cpu/wall':>8}  engine step/host/idle s")
+            f"{'cpu/wall':>8} {'computed':>8} {'forks c/a/r':>11}  engine step/host/idle s")
     lines = [head, "-" * len(head)]
     for c in cells:
         s = c["seconds"]
         et = c.get("engine_time") or {}
         split = "/".join(_f(et.get(k), ".2f") for k in ("step_s", "host_s", "idle_s")) if et else "-"
+        fk = c.get("forks")
+        forks = "/".join(_f(fk.get(k), ".0f") for k in ("copied", "aligned", "reprefilled")) if fk else "-"
         lines.append(
             f"{c['model']:<11} {c['n']:>4} {c['tokens']:>6} {_f(c['resamples'], 'd'):>4} {_f(s.get('ours')):>8} "
             f"{_f(s.get('mock')):>8} {_f(c['mock_program_s']):>7} {_f(s.get('decode')):>8} {_f(c['decode_cold_s']):>7} "
             f"{_f(s.get('transformers')):>8} {_f(c['ours_over_decode'], '.2f') + 'x':>11} "
             f"{_f(c['ours_vs_transformers'], '.1f') + 'x':>9} {_f(c['serial_bound'], '.2f'):>6} "
-            f"{_f(c['cpu_per_wall'].get('ours'), '.2f'):>8}  {split}"
+            f"{_f(c['cpu_per_wall'].get('ours'), '.2f'):>8} {_f(c.get('computed_ours_over_decode'), '.2f') + 'x':>8} "
+            f"{forks:>11}  {split}"
         )
     lines.append("ours/decode = decode_s / ours_s; vs transf = transformers_s / ours_s; serial = decode_s / "
                  "(decode_s + mock program_s); (prog) = mock minus its row making; (cold) = decode with an "
                  "empty prefix cache;\ncpu/wall: ours' process; engine split: ours' engine thread (lm.stats"
-                 "['engine_time']); tokens = particle-steps (one row each); rsmp = resamplings")
+                 "['engine_time']); tokens = particle-steps (one row each); rsmp = resamplings;\ncomputed = "
+                 "tokens the engine computed, ours over decode's; forks c/a/r = ours' forks per run that "
+                 "copied their parent's tail block / found it block-aligned / re-prefilled it")
     return "\n".join(lines)
 
 
@@ -807,6 +834,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--slow-s", type=float, default=90.0,
                    help="a system whose warm-up run takes longer gets one timed run in that cell (default 90)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--forks", choices=("on", "off"), default="on",
+                   help="ours with forks sharing their parent's KV tail (on, from_name's default) or not (off)")
     p.add_argument("--engine-opts", type=json.loads, default=None, help="JSON dict over ENGINE_OPTS")
     p.add_argument("--out", default=str(_HERE / "results" / "e2e.json"), help="JSON path; the PNG goes next to it")
     p.add_argument("--quick", action="store_true", help="6-layer model, N=8, T=8, 1 rep (a smoke run)")
@@ -854,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.worker:
         return worker_main(args)
+    os.environ[FORKS_ENV] = "1" if args.forks == "on" else "0"  # the ours worker inherits it
     wall0 = time.perf_counter()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -347,7 +347,9 @@ class AsyncLM(ABC):
             return torch.empty(0, dtype=torch.float32)
         futures = self._score_futures([(prompt, cont, lora_name, 0)], method)
         if futures is not None:
-            return _wait_all(futures)[0].logprobs
+            from .engine.loop import wait_all  # futures of an engine's models only
+
+            return wait_all(futures)[0].logprobs
         out = torch.empty(len(cont), dtype=torch.float32)
         for where, prefixes, targets in _prefix_chunks(prompt, cont, chunk_size):
             out[where] = _gather(self.batch_next_token_logprobs_sync(prefixes, lora_name=lora_name), targets)
@@ -398,7 +400,9 @@ class AsyncLM(ABC):
         ids = self._check_ids(token_ids)
         futures = self._score_futures([(ids, (), lora_name, k)], "auto")
         if futures is not None:
-            found = _wait_all(futures)[0]
+            from .engine.loop import wait_all
+
+            found = wait_all(futures)[0]
             return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
         return _topk(self.next_token_logprobs_sync(ids, lora_name=lora_name), k)
 
@@ -411,17 +415,6 @@ def _prefix_chunks(
     for start in range(0, len(cont), chunk_size):
         stop = min(start + chunk_size, len(cont))
         yield slice(start, stop), [prompt + cont[:k] for k in range(start, stop)], cont[start:stop]
-
-
-def _wait_all(futures: Sequence[Any]) -> list[Any]:
-    """Results of ``concurrent.futures`` futures in order; on any error or interrupt (Ctrl-C) the
-    rest are cancelled (the engine aborts their work) and the error is re-raised."""
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
 
 
 def _gather(rows: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:

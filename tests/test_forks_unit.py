@@ -8,21 +8,17 @@ counters. That the engine then shares the parent's tail block, exactly, is test_
 from __future__ import annotations
 
 import pytest
+import test_loop_unit as loop_unit
 import torch
 from fake_core import FakeCore, fake_row
+from test_loop_unit import rows
 
 from genlm_vlm.engine import EngineDriver
 
 
 def make(core: FakeCore | None = None, **kwargs) -> tuple[EngineDriver, FakeCore]:
-    core = core or FakeCore(forks=True)
-    driver = EngineDriver("fake", core_factory=lambda: core, **kwargs)
-    return driver, core
-
-
-def rows(driver: EngineDriver, *prompts: tuple[int, ...]) -> list[torch.Tensor]:
-    futs = driver.submit_logprobs([(p, None) for p in prompts])
-    return [f.result(timeout=10) for f in futs]
+    """A driver on a fake core that takes fork markers."""
+    return loop_unit.make(core or FakeCore(forks=True), **kwargs)
 
 
 @pytest.fixture

@@ -190,17 +190,12 @@ class _Scorer:
 
         try:
             for line, record in numbered:
-                try:
-                    job = _prepare(self.lm, line, record, want_top, self.lora_name)
-                except RecordError as e:
-                    rid = record.get("id") if isinstance(record, dict) else None
-                    pending.append(_error(rid, line, str(e)))
-                else:
-                    pending.append(job)
-                    if job.remaining > 0:
-                        batch.append(job)
-                        if len(batch) >= group:
-                            self._submit(batch)
+                job = self._read(line, record, want_top)
+                pending.append(job)
+                if isinstance(job, _Job) and job.remaining > 0:
+                    batch.append(job)
+                    if len(batch) >= group:
+                        self._submit(batch)
                 yield from drain(wait=False)
             self._submit(batch)
             yield from drain(wait=True)
@@ -208,6 +203,14 @@ class _Scorer:
             for item in pending:
                 if isinstance(item, _Job) and item.future is not None:
                     item.future.cancel()
+
+    def _read(self, line: int, record: Any, want_top: bool) -> _Job | dict[str, Any]:
+        """The job for one input record, or (a record that cannot be scored) its error record."""
+        try:
+            return _prepare(self.lm, line, record, want_top, self.lora_name)
+        except RecordError as e:
+            rid = record.get("id") if isinstance(record, dict) else None
+            return _error(rid, line, str(e))
 
     def _score_rows(self, numbered: Iterable[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
         """The row path: prefixes sent ``chunk_size`` at a time."""
@@ -231,13 +234,9 @@ class _Scorer:
                 self.run([work.popleft() for _ in range(n)])
 
         for line, record in numbered:
-            try:
-                job = _prepare(self.lm, line, record, want_top, self.lora_name)
-            except RecordError as e:
-                rid = record.get("id") if isinstance(record, dict) else None
-                pending.append(_error(rid, line, str(e)))
-            else:
-                pending.append(job)
+            job = self._read(line, record, want_top)
+            pending.append(job)
+            if isinstance(job, _Job):
                 work.extend((job, k) for k in job.prefix_lengths())
             flush(all_=len(pending) >= self.chunk_size)
             yield from ready()
