@@ -103,7 +103,8 @@ def test_top_k_from_vllm_and_from_rows(llama_lm):
     jobs = lm.stats["scoring"]["jobs"]
     for k in (1, 5, 20, 25):  # 25 > max_logprobs (20): the row, reduced on the engine thread
         top = lm.next_token_topk_sync(prompt, k)
-        row = lm.next_token_logprobs_sync(prompt)  # now cached: the next call uses it
+        lm.next_token_logprobs_sync(prompt)
+        row = lm.next_token_logprobs_sync(prompt)  # asked twice, so kept: the next call uses it
         ref = torch.topk(row, k)
         assert top.token_ids.tolist() == ref.indices.tolist()
         assert float((top.logprobs - ref.values).abs().max()) < 1e-5
