@@ -287,6 +287,17 @@ class AsyncLM(ABC):
         ``continuation`` are validated token-id tuples."""
         return None
 
+    def _scored_sync(self, item: tuple[Any, ...], method: str) -> Any | None:
+        """The blocking :meth:`_direct_scores`: one ``(prompt, continuation, lora_name, top_k)``
+        through :meth:`_score_futures`, waited for (Ctrl-C aborts it); None when the rows must
+        do it."""
+        futures = self._score_futures([item], method)
+        if futures is None:
+            return None
+        from .engine.loop import wait_all  # futures of an engine's models only
+
+        return wait_all(futures)[0]
+
     def _score_args(
         self, prompt_ids: Any, continuation_ids: Any, chunk_size: Any, method: Any
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -345,11 +356,9 @@ class AsyncLM(ABC):
         prompt, cont = self._score_args(prompt_ids, continuation_ids, chunk_size, method)
         if not cont:
             return torch.empty(0, dtype=torch.float32)
-        futures = self._score_futures([(prompt, cont, lora_name, 0)], method)
-        if futures is not None:
-            from .engine.loop import wait_all  # futures of an engine's models only
-
-            return wait_all(futures)[0].logprobs
+        found = self._scored_sync((prompt, cont, lora_name, 0), method)
+        if found is not None:
+            return found.logprobs
         out = torch.empty(len(cont), dtype=torch.float32)
         for where, prefixes, targets in _prefix_chunks(prompt, cont, chunk_size):
             out[where] = _gather(self.batch_next_token_logprobs_sync(prefixes, lora_name=lora_name), targets)
@@ -398,11 +407,8 @@ class AsyncLM(ABC):
         """Blocking :meth:`next_token_topk`."""
         k = self._check_k(k, self.vocab_size)
         ids = self._check_ids(token_ids)
-        futures = self._score_futures([(ids, (), lora_name, k)], "auto")
-        if futures is not None:
-            from .engine.loop import wait_all
-
-            found = wait_all(futures)[0]
+        found = self._scored_sync((ids, (), lora_name, k), "auto")
+        if found is not None:
             return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
         return _topk(self.next_token_logprobs_sync(ids, lora_name=lora_name), k)
 

@@ -102,18 +102,10 @@ def check_engine_opt_names(opts: dict[str, Any]) -> None:
     and the nearest one it does, before vLLM is imported (the accepted names are read from the
     installed vLLM's source: :func:`genlm_vlm.engine.options.vllm_option_names_from_source`).
     Nothing is checked when they cannot be read; the engine build checks again."""
-    if not opts:
-        return
-    from .engine.options import (  # standard library only
-        check_option_names,
-        vllm_option_names_from_source,
-    )
+    from .engine.options import check_option_names_early  # standard library only
 
-    accepted = vllm_option_names_from_source()
-    if accepted is None:
-        return
     try:
-        check_option_names(opts, accepted)
+        check_option_names_early(opts)
     except TypeError as e:
         raise UsageError(f"--engine-opt: {e}") from None
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import ClosedError, SampleArgs, TokenIds
+from .base import ClosedError, SampleArgs, TokenIds, _topk
 from .batching import AutoBatcher, KeyPlan
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
@@ -162,12 +162,10 @@ class AsyncVirtualLM(ServingLM):
         see :func:`genlm_vlm.engine.build.resolve_model`).
         """
         cls._check_options(kwargs)
-        if isinstance(engine_opts, dict) and engine_opts:  # a misspelled option fails before vLLM loads
-            from .engine.options import check_option_names, vllm_option_names_from_source
+        if isinstance(engine_opts, dict):  # a misspelled option fails before vLLM loads
+            from .engine.options import check_option_names_early
 
-            accepted = vllm_option_names_from_source()
-            if accepted is not None:
-                check_option_names(engine_opts, accepted)
+            check_option_names_early(engine_opts)
         driver = EngineDriver(
             os.fspath(model_name),
             engine_opts,
@@ -492,8 +490,8 @@ def _rows_topk(lm: AsyncVirtualLM, prompt: tuple[int, ...], lora_name: str | Non
     is in the output cache)."""
     fut: cf.Future = cf.Future()
     try:
-        values, indices = torch.topk(lm.next_token_logprobs_sync(prompt, lora_name=lora_name).float(), k)
-        fut.set_result(ScoreResult(torch.empty(0, dtype=torch.float32), indices.cpu(), values.cpu()))
+        top = _topk(lm.next_token_logprobs_sync(prompt, lora_name=lora_name), k)
+        fut.set_result(ScoreResult(torch.empty(0, dtype=torch.float32), top.token_ids, top.logprobs))
     except Exception as e:  # noqa: BLE001 - this item's error
         fut.set_exception(e)
     return fut

@@ -249,7 +249,7 @@ class VLLMCore:
             self._replace: Any = msgspec.structs.replace
         except (ImportError, AttributeError):  # pragma: no cover - older layouts
             self._replace = None
-        self._templates: dict[tuple[int, bool], Any] = {}
+        self._templates: dict[tuple[Any, ...], Any] = {}  # see request_from_template
         self._released = False
         with _live_lock:
             _live.add(id(self))
@@ -278,34 +278,46 @@ class VLLMCore:
             raise
 
     # ---------------------------------------------------------------- requests
-    def _rows_params(self, tag: str) -> Any:
+    @staticmethod
+    def _rows_params() -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True, extra_args={TAG_KEY: tag}
-        )
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
 
     def _rows_request(
         self, rid: str, tokens: list[int], tag: str, lora: Any, resumable: bool, fork: tuple[str, int] | None = None
     ) -> Any:
-        """A one-token greedy request whose logits the capture stores under ``tag``.
+        """A one-token greedy request whose logits the capture stores under ``tag`` (see
+        :meth:`request_from_template`)."""
+        extra = {TAG_KEY: tag} if fork is None else {TAG_KEY: tag, FORK_KEY: fork}
+        key = ("rows", 0 if lora is None else int(lora.lora_int_id), resumable)
+        return self.request_from_template(key, self._rows_params, rid, tokens, lora, resumable, extra)
+
+    def request_from_template(
+        self, key: tuple[Any, ...], make_params: Any, rid: str, tokens: list[int], lora: Any, resumable: bool,
+        extra_args: dict[str, Any] | None,
+    ) -> Any:
+        """An ``EngineCoreRequest`` for ``tokens`` with ``make_params()``'s sampling parameters
+        and ``extra_args``.
 
         The input processor (validation, generation-config defaults, a deep copy of the
-        sampling parameters: about 0.4 ms a request) runs once per adapter and mode; each request
-        is then a shallow copy of that template with its own id, tokens, tag and arrival time.
+        sampling parameters: about 0.4 ms a request) runs once per ``key`` (which must name the
+        adapter, the mode and whatever ``make_params`` depends on); each request is then a
+        shallow copy of that template with its own id, tokens, ``extra_args`` and arrival time.
+        Without msgspec every request goes through the input processor.
         """
         if self._replace is None:
-            params = self._rows_params(tag)
-            if fork is not None:
-                params.extra_args[FORK_KEY] = fork
+            params = make_params()
+            params.extra_args = extra_args
             return self._make_request(rid, tokens, params, lora, resumable)
-        key = (0 if lora is None else int(lora.lora_int_id), resumable)
         template = self._templates.get(key)
         if template is None:
-            template = self._make_request("genlm-vlm-template", [0], self._rows_params(""), lora, resumable)
+            if len(self._templates) > 64:  # adapters come and go; their ids are never reused
+                self._templates.clear()
+            template = self._make_request("genlm-vlm-template", [0], make_params(), lora, resumable)
             self._templates[key] = template
         params = copy.copy(template.sampling_params)
-        params.extra_args = {TAG_KEY: tag} if fork is None else {TAG_KEY: tag, FORK_KEY: fork}
+        params.extra_args = extra_args
         return self._replace(
             template,
             request_id=rid,

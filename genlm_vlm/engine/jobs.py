@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,15 +98,18 @@ Waiter = cf.Future | Ticket
 
 @dataclass(eq=False, slots=True)
 class Job:
-    """One query. ``kind``: ``"logprobs"`` (a row), ``"sample"`` (vLLM's sampler) or
-    ``"seeded"`` (our sampler over rows, one session chunk per token)."""
+    """One query. ``kind``: ``"logprobs"`` (a row), ``"sample"`` (vLLM's sampler),
+    ``"seeded"`` (our sampler over rows, one session chunk per token), ``"score"`` (a
+    continuation scored from prompt log-probabilities) or ``"score_part"`` (one engine request
+    of a score job; :mod:`.scoring`)."""
 
     kind: str
     ids: Tokens
     lora: Any
     waiters: list[Waiter]
     adapter: int = 0
-    spec: SampleSpec | None = None
+    spec: Any = None
+    """A ``SampleSpec`` (sampling), a ``ScoreSpec`` (``"score"``) or a part (``"score_part"``)."""
     # --- engine thread only, from admission on ---
     key: Any = None
     """``TokensKey(adapter, ids)`` of a ``"logprobs"`` job, set at admission (hashed once)."""
@@ -123,6 +127,14 @@ class Job:
     def wanted(self) -> bool:
         """Whether any waiter still waits (not cancelled, not resolved)."""
         return any(not w.done() for w in self.waiters)
+
+    def join(self, twin: Job) -> None:
+        """``twin`` (identical, admitted earlier) computes this job: its waiters become
+        ``twin``'s, tickets included (their ``job``, which cancellation reads)."""
+        twin.waiters.extend(self.waiters)
+        for w in self.waiters:
+            if type(w) is Ticket:
+                w.job = twin
 
 
 # ---------------------------------------------------------------------------- inbox messages
@@ -174,6 +186,13 @@ class Outbox:
         for w in job.waiters:
             self.resolve_waiter(w, value, exc)
 
+    def resolve_each(self, job: Job, value: Any, copy: Callable[[Any], Any]) -> None:
+        """Resolve every waiter of ``job`` still waiting, each with an object of its own: the
+        first with ``value`` itself, the others with ``copy(value)``."""
+        live = [w for w in job.waiters if not w.done()]
+        for i, w in enumerate(live):
+            self.resolve_waiter(w, value if i == 0 else copy(value))
+
     def resolve_waiter(self, w: Waiter, value: Any = None, exc: BaseException | None = None) -> None:
         """Resolve one waiter, unless it is done already (cancelled, or resolved)."""
         if type(w) is Ticket:
@@ -198,3 +217,18 @@ class Outbox:
                 listener(items)
             except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
                 logger.exception("a result listener failed; %d result(s) were not delivered", len(items))
+
+
+def fail_messages(inbox: deque[Message], outbox: Outbox, err: BaseException) -> None:
+    """Answer every message left in ``inbox`` with ``err`` (engine thread, at shutdown): calls
+    and posted jobs fail, a pending ``Stop``'s future is set; then ``outbox`` is flushed."""
+    while inbox:
+        match inbox.popleft():
+            case Call(future=fut) if fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
+            case PostJobs(jobs):
+                for job in jobs:
+                    outbox.resolve(job, exc=err)
+            case Stop(done) if not done.done():
+                done.set_result(None)
+    outbox.flush()

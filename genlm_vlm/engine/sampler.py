@@ -10,30 +10,29 @@ from __future__ import annotations
 
 import torch
 
-#: A temperature below this is greedy (argmax), as in vLLM's sampler (``_SAMPLING_EPS``).
-GREEDY_BELOW = 1e-5
-#: The seeds ``torch.Generator.manual_seed`` accepts (a negative seed ``s`` acts as ``s + 2**64``).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+from ..checks import GREEDY_TEMPERATURE, SEED_RANGE
 
 
 def seeded_generator(seed: int) -> torch.Generator:
-    """A CPU generator seeded with ``seed``; ``ValueError`` outside [:data:`SEED_MIN`, :data:`SEED_MAX`]."""
-    if not SEED_MIN <= seed <= SEED_MAX:
+    """A CPU generator seeded with ``seed``; ``ValueError`` outside
+    :data:`~genlm_vlm.checks.SEED_RANGE` (what ``torch.Generator.manual_seed`` accepts)."""
+    lo, hi = SEED_RANGE
+    if not lo <= seed <= hi:
         raise ValueError(f"seed {seed} is outside the range torch.Generator accepts, [-2**63, 2**64 - 1]")
     return torch.Generator().manual_seed(seed)
 
 
 def draw_token(row: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     """One token id drawn from ``softmax(row / temperature)`` with ``generator``; the argmax
-    below :data:`GREEDY_BELOW`. Safe for any temperature > 0: the row is shifted so that its
-    largest entry is 0 before the division, so nothing overflows to inf or NaN. A row holding
-    NaN, or no finite entry, raises ``ValueError``."""
+    below :data:`~genlm_vlm.checks.GREEDY_TEMPERATURE` (as in vLLM's sampler). Safe for any
+    temperature > 0: the row is shifted so that its largest entry is 0 before the division, so
+    nothing overflows to inf or NaN. A row holding NaN, or no finite entry, raises ``ValueError``."""
     row = row.to("cpu", torch.float32)
     top = row.max()
     if bool(torch.isnan(row).any()) or not bool(torch.isfinite(top)):
         what = "NaN" if bool(torch.isnan(row).any()) else "no finite entry"
         raise ValueError(f"cannot sample: the model's log-probability row for this sample holds {what}")
-    if temperature < GREEDY_BELOW:
+    if temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(row))
     probs = torch.softmax((row - top) / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

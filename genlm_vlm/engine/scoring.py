@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .jobs import Job, Ticket
+from .jobs import Job
 from .prompt_logprobs import ScoringFacts, unsupported
 
 if TYPE_CHECKING:
@@ -152,10 +152,7 @@ class ScoringQueue:
         key = job.key = (job.adapter, spec.prompt, spec.continuation, spec.top_k)
         twin = self._by_key.get(key)
         if twin is not None:
-            twin.waiters.extend(job.waiters)
-            for w in job.waiters:
-                if type(w) is Ticket:
-                    w.job = twin
+            job.join(twin)
             self._counts["dedup_joins"] += 1
             return
         self._by_key[key] = job
@@ -178,10 +175,8 @@ class ScoringQueue:
                 self._counts["failed"] += 1
                 loop._outbox.resolve(job, exc=RuntimeError(f"scoring from prompt log-probabilities is off: {self.facts.reason}"))
                 continue
-            if loop._split_lora and loop._by_rid:
-                busy_lora = next(iter(loop._by_rid.values())).lora is not None
-                if (job.lora is not None) != busy_lora:
-                    return  # wait until the other kind has left the engine
+            if loop.lora_kind_busy(job):
+                return
             parts, warm, warm_key, est = self._plan(job)
             if self._requests and (
                 self._tokens + est > self._token_cap or self._requests + len(parts) + (warm is not None) > self._request_cap
@@ -336,10 +331,7 @@ class ScoringQueue:
         spec: ScoreSpec = job.spec
         self._counts["tokens_scored"] += len(spec.continuation)
         top = active.top or (None, None)
-        result = ScoreResult(active.out, *top)
-        live = [w for w in job.waiters if not w.done()]
-        for i, w in enumerate(live):
-            self._loop._outbox.resolve_waiter(w, result if i == 0 else result.copy())
+        self._loop._outbox.resolve_each(job, ScoreResult(active.out, *top), ScoreResult.copy)
 
     def _warm_done(self, part: _Part) -> None:
         self._warming.pop(part.warm_key, None)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from .build import ModelInfo
 from .core import EngineCore, StepResult
 from .eviction import SessionEviction
 from .forks import count_fork
-from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, Ticket
+from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, fail_messages
 from .sampler import draw_token, seeded_generator
 from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
@@ -171,19 +171,14 @@ class StepLoop(SessionEviction):
             if job.kind in SCORING_KINDS:  # admitted by the scoring queue, under its own caps
                 self._scoring.enqueue(queue.popleft())
                 continue
-            if self._split_lora and self._by_rid:
-                busy_lora = next(iter(self._by_rid.values())).lora is not None
-                if (job.lora is not None) != busy_lora:
-                    return  # wait until the other kind has left the engine
+            if self.lora_kind_busy(job):
+                return
             queue.popleft()
             if job.kind == "logprobs":
                 key = job.key = TokensKey.of(job.adapter, job.ids, job.key)
                 twin = by_key.get(key)
                 if twin is not None:
-                    twin.waiters.extend(job.waiters)
-                    for w in job.waiters:
-                        if type(w) is Ticket:
-                            w.job = twin
+                    job.join(twin)
                     continue
                 by_key[key] = job
             budget -= 1
@@ -191,6 +186,13 @@ class StepLoop(SessionEviction):
                 self._start_sample(job)
             else:
                 self._start_rows(job, job.ids)
+
+    def lora_kind_busy(self, job: Job) -> bool:
+        """Whether ``job`` must wait for the other kind (base model or adapter) to leave the
+        engine: the core keeps them in separate steps (``split_lora``; also :mod:`.scoring`)."""
+        if not (self._split_lora and self._by_rid):
+            return False
+        return (job.lora is not None) != (next(iter(self._by_rid.values())).lora is not None)
 
     def _start_rows(self, job: Job, ids: Tokens) -> None:
         """Send a request whose last row is wanted: a session chunk, a new session (a fork when
@@ -365,9 +367,7 @@ class StepLoop(SessionEviction):
 
     def _end_job_shared(self, job: Job, row: torch.Tensor) -> None:
         """Resolve a job several waiters share, each with a tensor of its own."""
-        live = [w for w in job.waiters if not w.done()]
-        for i, w in enumerate(live):
-            self._outbox.resolve_waiter(w, row if i == 0 else row.clone())
+        self._outbox.resolve_each(job, row, lambda r: r.clone())
         self._end_job(job)  # bookkeeping; every waiter is resolved already
 
     def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
@@ -474,14 +474,7 @@ class StepLoop(SessionEviction):
         self._by_rid.clear()
         self._by_key.clear()
         self._queue.clear()
-        while self._inbox:  # calls posted before the stop get an answer too
-            match self._inbox.popleft():
-                case Call(future=fut) if fut.set_running_or_notify_cancel():
-                    fut.set_exception(err)
-                case PostJobs(jobs):
-                    for job in jobs:
-                        self._outbox.resolve(job, exc=err)
-        self._outbox.flush()
+        fail_messages(self._inbox, self._outbox, err)  # calls posted before the stop get an answer too
         try:
             self.core.release()
         except Exception:  # noqa: BLE001 - freeing is best effort; say what failed
