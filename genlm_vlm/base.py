@@ -16,7 +16,7 @@ from ._genlm_compat import declare_stand_in
 from .checks import GREEDY_TEMPERATURE, KnownIds, _as_float, as_token_ids, check_seed
 
 if TYPE_CHECKING:
-    pass
+    from .smc import Controller, SMCResult
 
 TokenIds = Sequence[int]
 T = TypeVar("T")
@@ -411,6 +411,66 @@ class AsyncLM(ABC):
         if found is not None:
             return TopK(token_ids=found.top_ids, logprobs=found.top_logprobs)
         return _topk(self.next_token_logprobs_sync(ids, lora_name=lora_name), k)
+
+    # ------------------------------------------------------------------ SMC (genlm_vlm.smc)
+    async def smc(
+        self,
+        prompt_ids: TokenIds,
+        constraint: Any,
+        n_particles: int,
+        max_tokens: int,
+        *,
+        ess_threshold: float = 0.5,
+        resampling: str = "systematic",
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+        eos_token_ids: Sequence[int] | int | None = None,
+        in_engine: bool = True,
+    ) -> SMCResult:
+        """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
+
+        ``constraint``: a :class:`~genlm_vlm.smc.Regex`, :class:`~genlm_vlm.smc.JSONSchema`,
+        :class:`~genlm_vlm.smc.Grammar` or :class:`~genlm_vlm.smc.TokenMask` (a ``str`` is a
+        regex, a ``dict`` a JSON schema). ``n_particles`` particles grow one token per step
+        from ``prompt_ids`` until EOS (allowed where the constraint accepts; default: the
+        tokenizer's ``eos_token_id``) or ``max_tokens``; resampled (``resampling``) when the
+        effective sample size falls below ``ess_threshold * n_particles``. With ``seed`` the
+        run is reproducible, and the same wherever it runs: on an
+        :class:`~genlm_vlm.AsyncVirtualLM` the whole run is one *burst* on the engine thread
+        (``in_engine=False``: per token in Python over :meth:`batch_next_token_logprobs`, the
+        reference, byte-identical); on other models, per token in Python. Every argument is
+        checked before any engine work. Returns an :class:`~genlm_vlm.smc.SMCResult`.
+        """
+        from .smc import api
+
+        prompt, controller = api.prepare(
+            self, prompt_ids, constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
+            resampling=resampling, temperature=temperature, seed=seed, lora_name=lora_name,
+            eos_token_ids=eos_token_ids,
+        )
+        return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine)
+
+    def smc_sync(self, prompt_ids: TokenIds, constraint: Any, n_particles: int, max_tokens: int,
+                 **kwargs: Any) -> SMCResult:
+        """Blocking :meth:`smc` (same arguments). Call it outside a running event loop (inside
+        one, ``await lm.smc(...)``)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.smc(prompt_ids, constraint, n_particles, max_tokens, **kwargs))
+        raise RuntimeError("smc_sync was called inside a running event loop: use `await lm.smc(...)` there")
+
+    async def run_controller(self, prompt_ids: TokenIds, controller: Controller, *, lora_name: str | None = None,
+                             start: Sequence[Sequence[int]] | None = None) -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` over particles that start at ``prompt_ids``
+        (plus ``start[i]`` for particle ``i``) and return ``controller.result(...)``. Here: per
+        token in Python (:func:`genlm_vlm.smc.drive`); :class:`~genlm_vlm.AsyncVirtualLM` runs
+        it on the engine thread."""
+        from .smc import drive
+
+        return await drive(self, self._check_ids(prompt_ids, "prompt_ids"), controller, lora_name=lora_name,
+                           start=start)
 
 
 def _prefix_chunks(

@@ -418,6 +418,42 @@ class AsyncVirtualLM(ServingLM):
         self._driver.remove_lora(adapter.int_id)
 
     # ------------------------------------------------------------------ housekeeping
+    # ------------------------------------------------------------------ controllers (genlm_vlm.smc)
+    def _submit_burst(self, prompt_ids: Any, controller: Any, lora_name: str | None, start: Any) -> cf.Future:
+        self._check_open()
+        prompt = self._check_ids(prompt_ids, "prompt_ids")
+        lora = self._lora_of(self._loras.resolve(lora_name))
+        return self._driver.submit_burst(prompt, controller, lora, start)
+
+    async def run_controller(self, prompt_ids: TokenIds, controller: Any, *, lora_name: str | None = None,
+                             start: Any = None) -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` as a *burst* on the engine thread: each
+        engine step hands it the rows of its live particles and continues them with the tokens
+        it chose, with no trip through the event loop per token (see :mod:`genlm_vlm.smc`).
+        Cancelling the await abandons the run's requests at the next engine step."""
+        result = await asyncio.wrap_future(self._submit_burst(prompt_ids, controller, lora_name, start))
+        if isinstance(getattr(result, "stats", None), dict):
+            result.stats["where"] = "engine"
+        return result
+
+    def smc_sync(self, prompt_ids: TokenIds, constraint: Any, n_particles: int, max_tokens: int,
+                 **kwargs: Any) -> Any:
+        """Blocking :meth:`smc` (same arguments), from any thread; an interrupt (Ctrl-C)
+        abandons the run."""
+        import time
+
+        from .smc import api
+
+        in_engine = kwargs.pop("in_engine", True)
+        if not in_engine:
+            return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
+        lora_name = kwargs.get("lora_name")
+        prompt, controller = api.prepare(self, prompt_ids, constraint, n_particles, max_tokens, **kwargs)
+        t0 = time.perf_counter()
+        [result] = wait_all([self._submit_burst(prompt, controller, lora_name, None)])
+        result.stats.update(where="engine", wall_s=round(time.perf_counter() - t0, 6))
+        return result
+
     def warm_up(self, prefix_token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Prime the engine's prefix cache (and this object's output cache) for a shared prompt.
 

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .bursts import BurstSpec
 from .core import EngineCore, VLLMCore
 from .eviction import MAX_STALLED_STEPS
 from .jobs import (
@@ -265,6 +266,18 @@ class EngineDriver:
         (the waiters fail otherwise). Waiters as in :meth:`submit_logprobs`."""
         jobs = [Job("score", spec.prompt + spec.continuation, spec.lora, [], spec=spec) for spec in specs]
         return self._submit(jobs, listener, payloads)
+
+    def submit_burst(self, prompt: Tokens, controller: Any, lora: Any = None, start: Any = None) -> cf.Future:
+        """Run ``controller`` (a :class:`genlm_vlm.smc.Controller`) over particles that begin at
+        ``prompt`` (plus ``start[i]`` for particle ``i`` when given) on the engine thread: a
+        burst (:mod:`.bursts`). Returns a future of ``controller.result(...)``; cancelling it
+        abandons the run's requests at the next step and releases its idle sessions."""
+        job = Job("burst", tuple(prompt), lora, [], spec=BurstSpec(controller, start))
+        fut: cf.Future = cf.Future()
+        fut.add_done_callback(self._on_future_done(job))
+        job.waiters.append(fut)
+        self._post(PostJobs([job]))
+        return fut
 
     def _submit(self, jobs: list[Job], listener: Listener | None, payloads: Sequence[Any] | None) -> list[Any]:
         waiters: list[Any] = []

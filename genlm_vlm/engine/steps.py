@@ -21,6 +21,7 @@ import torch
 
 from ..dedup import TokensKey
 from .build import ModelInfo
+from .bursts import Burst
 from .core import EngineCore, StepResult
 from .eviction import SessionEviction
 from .forks import count_fork
@@ -104,6 +105,8 @@ class StepLoop(SessionEviction):
         # inside core.step(), our own work, and waiting for work (the program's turn).
         self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
         self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
+        self._bursts: dict[int, Burst] = {}  # controller runs in progress, by id(job) (.bursts)
+        self._burst_counts = {"started": 0, "finished": 0, "failed": 0, "cancelled": 0}
 
     def run(self) -> None:
         clock = time.perf_counter
@@ -171,6 +174,9 @@ class StepLoop(SessionEviction):
             if job.kind in SCORING_KINDS:  # admitted by the scoring queue, under its own caps
                 self._scoring.enqueue(queue.popleft())
                 continue
+            if job.kind == "burst":  # its particles' rows come back as queued row jobs (.bursts)
+                self._start_burst(queue.popleft())
+                continue
             if self.lora_kind_busy(job):
                 return
             queue.popleft()
@@ -186,6 +192,36 @@ class StepLoop(SessionEviction):
                 self._start_sample(job)
             else:
                 self._start_rows(job, job.ids)
+
+    # ---------------------------------------------------------------- bursts (.bursts)
+    def _start_burst(self, job: Job) -> None:
+        burst = Burst(self, job)
+        self._bursts[id(job)] = burst
+        self._burst_counts["started"] += 1
+        burst.start()
+
+    def burst_ended(self, burst: Burst, how: str) -> None:
+        """``burst`` finished, failed or was cancelled: forget it (called by the burst)."""
+        if self._bursts.pop(id(burst.job), None) is not None:
+            self._burst_counts[how] += 1
+
+    def queue_internal(self, jobs: list[Job]) -> None:
+        """Queue jobs made on the engine thread (a burst's round): admitted before the next step."""
+        self._queue.extend(jobs)
+
+    def post_internal(self, message: Message) -> None:
+        """Post a message to this loop from the engine thread itself (read at the next drain)."""
+        self._inbox.append(message)
+
+    def release_sessions(self, rids: set[str]) -> int:
+        """Release those of ``rids`` that are idle sessions (a cancelled burst's); returns how many."""
+        n = 0
+        for rid in rids:
+            s = self._table.idle.get(rid)
+            if s is not None:
+                self._evict(s)
+                n += 1
+        return n
 
     def lora_kind_busy(self, job: Job) -> bool:
         """Whether ``job`` must wait for the other kind (base model or adapter) to leave the
@@ -413,6 +449,7 @@ class StepLoop(SessionEviction):
             "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
             "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
             "scoring": self._scoring.stats(),
+            "bursts": dict(self._burst_counts, running=len(self._bursts)),
         }
 
     # ---------------------------------------------------------------- job endings
@@ -446,6 +483,11 @@ class StepLoop(SessionEviction):
         self._outbox.resolve(job, value, exc)
 
     def _cancel(self, job: Job) -> None:
+        if job.kind == "burst":
+            burst = self._bursts.get(id(job))
+            if burst is not None:
+                burst.cancel()
+            return
         if job.kind in SCORING_KINDS:
             self._scoring.cancel(job)
             return
@@ -470,6 +512,8 @@ class StepLoop(SessionEviction):
             err = RuntimeError("the engine was shut down while the request was pending")
         for job in list(self._by_rid.values()) + list(self._queue):
             self._outbox.resolve(job, exc=err)
+        for burst in list(self._bursts.values()):
+            burst.fail(err)
         self._scoring.stop(err)
         self._by_rid.clear()
         self._by_key.clear()

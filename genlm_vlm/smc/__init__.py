@@ -1,0 +1,43 @@
+"""SMC in the engine: a controller seam and constrained SMC (see docs/API.md, "SMC").
+
+* :meth:`genlm_vlm.AsyncLM.smc` / ``smc_sync``: constrained SMC with the locally optimal
+  proposal, on any model; on :class:`~genlm_vlm.AsyncVirtualLM` the whole run happens on the
+  engine thread (a *burst*), with no trip through the event loop per token.
+* Constraints: :class:`Regex`, :class:`JSONSchema`, :class:`Grammar` (EBNF or Lark; xgrammar),
+  :class:`TokenMask` (your own vectorised mask function).
+* The seam: :class:`Controller`, :class:`Decision` and
+  :meth:`genlm_vlm.AsyncLM.run_controller`, for another SMC implementation to run its own
+  per-step logic in the engine; :func:`drive` runs any controller per token in Python (the
+  reference).
+"""
+
+from .algorithm import Particle, SMCController, SMCResult
+from .constraints import (
+    BoundConstraint,
+    Constraint,
+    ConstraintError,
+    Grammar,
+    JSONSchema,
+    Regex,
+    TokenMask,
+    as_constraint,
+)
+from .controller import Controller, Decision, ParticleSet, drive
+
+__all__ = [
+    "BoundConstraint",
+    "Constraint",
+    "ConstraintError",
+    "Controller",
+    "Decision",
+    "Grammar",
+    "JSONSchema",
+    "Particle",
+    "ParticleSet",
+    "Regex",
+    "SMCController",
+    "SMCResult",
+    "TokenMask",
+    "as_constraint",
+    "drive",
+]

@@ -1,0 +1,242 @@
+"""Constrained SMC with the locally optimal proposal, as a :class:`~.controller.Controller`.
+
+Per live particle and step, with ``row`` the model's next-token log-probabilities and ``mask``
+the constraint's allowed tokens for the particle's state:
+
+* ``log_mass = logsumexp(row[mask])``; with temperature ``t`` the proposal is
+  ``q(x) ∝ exp(row[x] / t)`` on the mask and the particle's log weight grows by
+  ``row[x] - log q(x)`` (at ``t = 1``: exactly ``log_mass``);
+* a mask that keeps no probability ends the particle with weight zero (it *dies*);
+* the token is drawn by inverse CDF from one uniform of the run's generator; EOS (allowed where
+  the constraint accepts) ends the particle (*finished*); ``max_tokens`` tokens end it (*cut*).
+
+After each step, if the effective sample size of the weights is below ``ess_threshold * N`` and
+a particle is still live, the particles are resampled (``"multinomial"``, ``"stratified"`` or
+``"systematic"``) and their weights set to the mean weight, so the estimate of the log marginal
+(``log Z``, the probability that a sequence from the model satisfies the constraint) stays
+unbiased in ``Z``.
+
+The arithmetic is numpy ``float64`` on one thread, over the allowed tokens only: the result
+depends on the rows, the constraint and the seed, nothing else (not on the thread, the batch, or
+whether the run is in the engine or in Python).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .constraints import BoundConstraint
+from .controller import Controller, Decision, Tokens
+
+RESAMPLING = ("multinomial", "stratified", "systematic")
+
+
+@dataclass
+class Particle:
+    """One final particle: the tokens it generated (EOS not included), their bytes, its log
+    weight, and how it ended: ``"finished"`` (EOS), ``"cut"`` (``max_tokens``, or the run was
+    stopped) or ``"dead"`` (its constraint kept no probability; log weight ``-inf``)."""
+
+    token_ids: list[int]
+    text: bytes
+    log_weight: float
+    status: str
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+
+@dataclass
+class SMCResult:
+    """What :meth:`~genlm_vlm.AsyncLM.smc` returns.
+
+    ``log_marginal``: the estimate of ``log Z`` (``-inf`` if every particle died).
+    ``posterior``: normalised weights of the finished particles, summed over identical texts
+    (bytes -> probability; empty when no particle finished). ``ess``: the effective sample size
+    after each step; ``resampled_at``: the steps (1-based) after which the particles were
+    resampled. ``stats``: counters of the run (steps, rows, tokens, the constraint's seconds,
+    the controller's seconds, where it ran).
+    """
+
+    particles: list[Particle]
+    log_marginal: float
+    posterior: dict[bytes, float]
+    ess: list[float] = field(default_factory=list)
+    resampled_at: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def decoded_posterior(self) -> dict[str, float]:
+        """:attr:`posterior` with UTF-8 text keys (undecodable bytes replaced)."""
+        out: dict[str, float] = {}
+        for text, p in self.posterior.items():
+            key = text.decode("utf-8", errors="replace")
+            out[key] = out.get(key, 0.0) + p
+        return out
+
+    @property
+    def log_weights(self) -> list[float]:
+        return [p.log_weight for p in self.particles]
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    top = float(np.max(x)) if x.size else -math.inf
+    if not math.isfinite(top):
+        return top
+    return top + math.log(float(np.sum(np.exp(x - top))))
+
+
+def ancestors(weights: np.ndarray, method: str, rng: np.random.Generator) -> list[int]:
+    """``len(weights)`` ancestor indices drawn from normalised ``weights``."""
+    n = len(weights)
+    if method == "multinomial":
+        u = np.sort(rng.random(n))
+    elif method == "stratified":
+        u = (np.arange(n) + rng.random(n)) / n
+    else:  # systematic
+        u = (np.arange(n) + rng.random()) / n
+    cdf = np.cumsum(weights)
+    cdf[-1] = 1.0
+    return [int(i) for i in np.minimum(np.searchsorted(cdf, u, side="right"), n - 1)]
+
+
+class SMCController(Controller):
+    """The built-in controller (see the module docstring). Build it through
+    :meth:`~genlm_vlm.AsyncLM.smc`, which checks the arguments; one instance runs once."""
+
+    def __init__(self, constraint: BoundConstraint, n_particles: int, max_tokens: int, *,
+                 eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
+                 resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None) -> None:
+        self.constraint = constraint
+        self.n_particles = n_particles
+        self.max_tokens = max_tokens
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.byte_vocab = byte_vocab
+        self.ess_threshold = ess_threshold
+        self.resampling = resampling
+        self.temperature = temperature
+        self.rng = np.random.default_rng(seed)
+        self.states = [constraint.initial()]
+        self.states += [constraint.copy(self.states[0]) for _ in range(n_particles - 1)]
+        self.tokens: list[list[int]] = [[] for _ in range(n_particles)]
+        self.log_w = np.zeros(n_particles)
+        self.status = ["live"] * n_particles
+        self.log_z = 0.0  # from the resampling steps so far
+        self.ess: list[float] = []
+        self.resampled_at: list[int] = []
+        self.steps = 0
+        self.rows = 0
+        self.seconds = 0.0
+
+    # ------------------------------------------------------------------ one step
+    def step(self, rows: Any, particles: Sequence[int]) -> Decision:
+        t0 = time.perf_counter()
+        self.steps += 1
+        self.rows += len(particles)
+        if getattr(rows, "device", None) is not None and rows.device.type != "cpu":
+            rows = rows.cpu()
+        values = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
+        masks = self.constraint.masks([self.states[i] for i in particles])
+        out: list[int | None] = []
+        for k, i in enumerate(particles):
+            out.append(self._advance(i, values[k], masks[k]))
+        parents = self._maybe_resample()
+        self.seconds += time.perf_counter() - t0
+        return Decision(out, parents)
+
+    def _advance(self, i: int, row: np.ndarray, mask: np.ndarray) -> int | None:
+        allowed = np.flatnonzero(mask)
+        vals = row[allowed].astype(np.float64) if allowed.size else np.empty(0)
+        top = float(vals.max()) if vals.size else -math.inf
+        if not math.isfinite(top):
+            self.log_w[i] = -math.inf
+            self.status[i] = "dead"
+            return None
+        t = self.temperature
+        if t == 1.0:
+            e = np.exp(vals - top)
+            cdf = np.cumsum(e)
+            j = self._draw(cdf)
+            incr = top + math.log(float(cdf[-1]))  # log_mass
+        elif t < 1e-5:  # greedy: the proposal is a point mass
+            j = int(np.argmax(vals))
+            incr = float(vals[j])
+        else:
+            scaled = vals / t
+            stop = float(scaled.max())
+            cdf = np.cumsum(np.exp(scaled - stop))
+            j = self._draw(cdf)
+            log_q = float(scaled[j]) - stop - math.log(float(cdf[-1]))
+            incr = float(vals[j]) - log_q
+        token = int(allowed[j])
+        self.log_w[i] += incr
+        if token in self.eos:
+            self.status[i] = "finished"
+            return None
+        self.states[i] = self.constraint.advance(self.states[i], token)
+        self.tokens[i].append(token)
+        if len(self.tokens[i]) >= self.max_tokens:
+            self.status[i] = "cut"
+            return None
+        return token
+
+    def _draw(self, cdf: np.ndarray) -> int:
+        u = self.rng.random() * float(cdf[-1])
+        return min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
+
+    def _maybe_resample(self) -> list[int] | None:
+        lw = self.log_w
+        total = _logsumexp(lw)
+        if not math.isfinite(total):  # every particle died
+            self.ess.append(0.0)
+            return None
+        w = np.exp(lw - total)
+        ess = 1.0 / float(np.sum(w * w))
+        self.ess.append(ess)
+        if "live" not in self.status or ess >= self.ess_threshold * self.n_particles:
+            return None
+        self.log_z += total - math.log(self.n_particles)
+        parents = ancestors(w, self.resampling, self.rng)
+        c = self.constraint
+        self.states = [c.copy(self.states[p]) for p in parents]
+        self.tokens = [list(self.tokens[p]) for p in parents]
+        self.status = [self.status[p] for p in parents]
+        self.log_w = np.zeros(self.n_particles)
+        self.resampled_at.append(self.steps)
+        return parents
+
+    # ------------------------------------------------------------------ the end
+    def result(self, generated: Sequence[Tokens]) -> SMCResult:
+        vocab = self.byte_vocab
+        particles = []
+        for i in range(self.n_particles):
+            status = "cut" if self.status[i] == "live" else self.status[i]
+            toks = self.tokens[i]
+            particles.append(Particle(list(toks), b"".join(vocab[t] for t in toks), float(self.log_w[i]), status))
+        total = _logsumexp(self.log_w)
+        log_marginal = self.log_z + total - math.log(self.n_particles) if math.isfinite(total) else -math.inf
+        posterior: dict[bytes, float] = {}
+        done = [p for p in particles if p.finished and math.isfinite(p.log_weight)]
+        if done:
+            lw = np.array([p.log_weight for p in done])
+            w = np.exp(lw - _logsumexp(lw))
+            for p, wi in zip(done, w, strict=True):
+                posterior[p.text] = posterior.get(p.text, 0.0) + float(wi)
+        stats = {
+            "steps": self.steps,
+            "rows": self.rows,
+            "resamples": len(self.resampled_at),
+            "finished": sum(p.status == "finished" for p in particles),
+            "cut": sum(p.status == "cut" for p in particles),
+            "dead": sum(p.status == "dead" for p in particles),
+            "controller_s": round(self.seconds, 6),
+            "constraint_s": round(self.constraint.seconds, 6),
+        }
+        return SMCResult(particles, log_marginal, posterior, list(self.ess), list(self.resampled_at), stats)

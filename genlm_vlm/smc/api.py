@@ -1,0 +1,98 @@
+"""``lm.smc(...)``: argument checks and the controller, shared by every model class.
+
+:func:`prepare` validates every argument (before any engine work) and builds the
+:class:`~.algorithm.SMCController`; :func:`run` runs it where the model runs controllers
+(:meth:`~genlm_vlm.AsyncLM.run_controller`: in the engine for
+:class:`~genlm_vlm.AsyncVirtualLM`, per token in Python elsewhere) or, with ``in_engine=False``,
+always per token in Python (the reference).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from typing import Any
+
+from ..checks import check_seed
+from .algorithm import RESAMPLING, SMCController, SMCResult
+from .constraints import Constraint, as_constraint
+from .controller import drive
+
+
+def _eos_ids(lm: Any, eos_token_ids: Any) -> tuple[int, ...]:
+    if eos_token_ids is None:
+        eos = getattr(lm.tokenizer, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids= (the ids that end a text)")
+        eos_token_ids = [eos]
+    elif isinstance(eos_token_ids, numbers.Integral):
+        eos_token_ids = [eos_token_ids]
+    return lm._check_ids(eos_token_ids, "eos_token_ids")
+
+
+def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
+    """``constraint`` compiled for ``lm``'s vocabulary (the grammar compiler for the vocabulary
+    and EOS ids is made once per model and kept with it)."""
+    c: Constraint = as_constraint(constraint)
+    cache = lm.__dict__.setdefault("_smc_compilers", {})
+    return c.bind(lm._byte_strings, eos, lm.vocab_size, cache=cache)
+
+
+def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
+            ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
+            lora_name: str | None = None, eos_token_ids: Any = None) -> tuple[tuple[int, ...], SMCController]:
+    """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller; every
+    problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it."""
+    prompt = lm._check_ids(prompt_ids, "prompt_ids")
+    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles < 1:
+        raise ValueError(f"n_particles must be an int >= 1, got {n_particles!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    limit = getattr(lm, "max_model_len", None)
+    if isinstance(limit, int) and len(prompt) + int(max_tokens) > limit:
+        raise ValueError(
+            f"prompt_ids ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len={limit}: "
+            f"lower max_tokens to at most {limit - len(prompt)}, or build the model with a larger max_model_len"
+        )
+    try:
+        thr = float(ess_threshold)
+    except (TypeError, ValueError):
+        thr = math.nan
+    if isinstance(ess_threshold, bool) or not 0.0 <= thr <= 1.0:
+        raise ValueError(f"ess_threshold must be a number in [0, 1], got {ess_threshold!r}")
+    if resampling not in RESAMPLING:
+        raise ValueError(f"resampling must be one of {', '.join(RESAMPLING)}; got {resampling!r}")
+    try:
+        temp = float(temperature)
+    except (TypeError, ValueError):
+        temp = math.nan
+    if isinstance(temperature, bool) or not (0.0 <= temp < math.inf):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    seed = check_seed(seed, "seed")
+    loras = getattr(lm, "_loras", None)
+    if loras is not None:
+        loras.resolve(lora_name)  # an unknown adapter fails here, before any engine work
+    elif lora_name is not None:
+        raise ValueError(f"{type(lm).__name__} has no LoRA adapters (lora_name={lora_name!r})")
+    eos = _eos_ids(lm, eos_token_ids)
+    bound = bind(lm, constraint, eos)
+    controller = SMCController(
+        bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=lm._byte_strings,
+        ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed,
+    )
+    return prompt, controller
+
+
+async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lora_name: str | None,
+              in_engine: bool) -> SMCResult:
+    """Run ``controller`` on ``lm`` (see the module docstring) and time it."""
+    t0 = time.perf_counter()
+    if in_engine:
+        result = await lm.run_controller(prompt, controller, lora_name=lora_name)
+    else:
+        result = await drive(lm, prompt, controller, lora_name=lora_name)
+    result.stats["wall_s"] = round(time.perf_counter() - t0, 6)
+    result.stats.setdefault("where", "python")
+    return result
+

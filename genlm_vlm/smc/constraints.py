@@ -1,0 +1,316 @@
+"""Token constraints for SMC: which tokens may come next for each particle.
+
+A :class:`Constraint` is a description (a regular expression, a JSON schema, a grammar, a mask
+function); :meth:`Constraint.bind` compiles it against one model's vocabulary and returns a
+:class:`BoundConstraint`, which keeps one *state* per particle:
+
+* :meth:`BoundConstraint.initial` -- the state before any generated token;
+* :meth:`BoundConstraint.masks` -- bool ``[m, V]`` (numpy), True where a token may come next,
+  EOS included where the text generated so far may end;
+* :meth:`BoundConstraint.advance` -- the state after a token (the state passed in may be reused);
+* :meth:`BoundConstraint.copy` -- an independent copy (a resampled particle's).
+
+The grammar constraints run on xgrammar (a dependency of vLLM): its compiled grammars, token
+bitmasks and ``GrammarMatcher.fork()``. The vocabulary is given as the model's ``byte_vocab``
+(one ``bytes`` per token id), so the same constraint binds to a real model, a tensor-parallel one,
+replicas or :class:`~genlm_vlm.MockAsyncLM` alike; tokens with no bytes (special tokens, padding
+columns) are never allowed, EOS excepted.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be used: it does not compile, or its language is empty."""
+
+
+class BoundConstraint(ABC):
+    """A constraint compiled for one vocabulary (see the module docstring). Not thread-safe:
+    one SMC run uses it from one thread at a time."""
+
+    #: Seconds spent in :meth:`masks` and :meth:`advance` since creation (the constraint's cost).
+    seconds: float = 0.0
+
+    @abstractmethod
+    def initial(self) -> Any:
+        """The state of a particle that has generated nothing yet."""
+
+    @abstractmethod
+    def masks(self, states: Sequence[Any]) -> np.ndarray:
+        """Bool ``[len(states), V]``: the tokens allowed next in each state."""
+
+    @abstractmethod
+    def advance(self, state: Any, token: int) -> Any:
+        """The state after ``token`` (``state`` itself may be changed and returned)."""
+
+    @abstractmethod
+    def copy(self, state: Any) -> Any:
+        """An independent copy of ``state``."""
+
+
+class Constraint(ABC):
+    """A description of which token sequences are allowed (see the module docstring)."""
+
+    @abstractmethod
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        """Compile for a vocabulary: ``byte_vocab[i]`` is token ``i``'s bytes, ``eos_ids`` the
+        tokens that end a sequence, ``width`` the row width ``V`` (at least ``len(byte_vocab)``;
+        columns past it are never allowed). ``cache``: a dict kept per vocabulary, where
+        compilers may keep what they build for it. Raises :class:`ConstraintError`."""
+
+    def describe(self) -> str:
+        return repr(self)
+
+
+# ------------------------------------------------------------------------------ xgrammar
+def _tokenizer_info(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int) -> Any:
+    import xgrammar as xgr
+
+    if not eos_ids:
+        raise ConstraintError("the model has no EOS token id: give eos_token_ids= to smc()")
+    return xgr.TokenizerInfo(
+        [bytes(b) for b in byte_vocab], xgr.VocabType.RAW, vocab_size=width, stop_token_ids=[int(e) for e in eos_ids]
+    )
+
+
+def usable_tokens(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int) -> np.ndarray:
+    """Bool ``[width]``: tokens that have bytes, and the EOS ids (special tokens and padding
+    columns have no bytes and are never allowed)."""
+    usable = np.zeros(width, dtype=bool)
+    usable[: len(byte_vocab)] = [bool(b) for b in byte_vocab[:width]]
+    usable[[int(e) for e in eos_ids if 0 <= int(e) < width]] = True
+    return usable
+
+
+class _Compiled(BoundConstraint):
+    """An xgrammar grammar bound to a vocabulary; a state is a ``GrammarMatcher``."""
+
+    def __init__(self, compiled: Any, width: int, what: str, usable: np.ndarray) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._compiled = compiled
+        self.width = width
+        self._usable = usable
+        self._words = (width + 31) // 32
+        self.seconds = 0.0
+        self.what = what
+        first = self.masks([self.initial()])
+        if not first.any():
+            raise ConstraintError(f"{what}: no token of this vocabulary can start a match (empty language)")
+
+    def initial(self) -> Any:
+        return self._xgr.GrammarMatcher(self._compiled)
+
+    def masks(self, states: Sequence[Any]) -> np.ndarray:
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        m = len(states)
+        bits = torch.zeros((m, self._words), dtype=torch.int32)
+        for i, matcher in enumerate(states):
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bits, i)
+        packed = bits.numpy().view(np.uint8).reshape(m, self._words * 4)
+        out = np.unpackbits(packed, axis=1, bitorder="little")[:, : self.width].view(bool)
+        out &= self._usable
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def advance(self, state: Any, token: int) -> Any:
+        import time
+
+        t0 = time.perf_counter()
+        if not state.accept_token(int(token)):
+            raise ValueError(f"{self.what}: token {token} is not allowed here (the mask allowed it?)")
+        self.seconds += time.perf_counter() - t0
+        return state
+
+    def copy(self, state: Any) -> Any:
+        return state.fork()
+
+
+class _Grammarish(Constraint):
+    """Shared by the xgrammar constraints: compile once per vocabulary."""
+
+    kind = "grammar"
+
+    def _compile(self, compiler: Any) -> Any:  # pragma: no cover - abstract in spirit
+        raise NotImplementedError
+
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        import xgrammar as xgr
+
+        key = ("xgrammar", tuple(eos_ids), width)
+        compiler = None if cache is None else cache.get(key)
+        if compiler is None:
+            compiler = xgr.GrammarCompiler(_tokenizer_info(byte_vocab, eos_ids, width))
+            if cache is not None:
+                cache[key] = compiler
+        try:
+            compiled = self._compile(compiler)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises several types; name the constraint
+            raise ConstraintError(f"{self.describe()} does not compile: {e}") from e
+        usable = None if cache is None else cache.get(("usable", *key[1:]))
+        if usable is None:
+            usable = usable_tokens(byte_vocab, eos_ids, width)
+            if cache is not None:
+                cache[("usable", *key[1:])] = usable
+        return _Compiled(compiled, width, self.describe(), usable)
+
+
+class Regex(_Grammarish):
+    """The generated text (the tokens' bytes, decoded as UTF-8) must match ``pattern`` whole,
+    then EOS. Python-style syntax without look-arounds or back-references."""
+
+    def __init__(self, pattern: str) -> None:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConstraintError(f"Regex needs a non-empty pattern string, got {pattern!r}")
+        self.pattern = pattern
+
+    def _compile(self, compiler: Any) -> Any:
+        return compiler.compile_regex(self.pattern)
+
+    def describe(self) -> str:
+        return f"Regex({self.pattern!r})"
+
+
+class JSONSchema(_Grammarish):
+    """The generated text must be one JSON value valid under ``schema`` (a dict or its JSON
+    text), then EOS. Whitespace between tokens is allowed as JSON allows it, up to
+    ``max_whitespace`` characters in a row (None: unbounded)."""
+
+    def __init__(self, schema: dict[str, Any] | str, *, max_whitespace: int | None = 2) -> None:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"JSONSchema: the schema is not valid JSON: {e}") from e
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"JSONSchema needs a dict (or its JSON text), got {type(schema).__name__}")
+        self.schema = schema
+        self.max_whitespace = max_whitespace
+
+    def _compile(self, compiler: Any) -> Any:
+        return compiler.compile_json_schema(json.dumps(self.schema), max_whitespace_cnt=self.max_whitespace)
+
+    def describe(self) -> str:
+        text = json.dumps(self.schema)
+        return f"JSONSchema({text if len(text) < 80 else text[:77] + '...'})"
+
+
+class Grammar(_Grammarish):
+    """A context-free grammar: ``ebnf`` (GBNF-style EBNF, root rule ``root``) or ``lark`` (Lark
+    syntax, start rule ``start``); exactly one of the two. The text must derive from the root,
+    then EOS."""
+
+    def __init__(self, ebnf: str | None = None, *, lark: str | None = None) -> None:
+        if (ebnf is None) == (lark is None):
+            raise ConstraintError("Grammar takes exactly one of ebnf= or lark=")
+        text = ebnf if ebnf is not None else lark
+        if not isinstance(text, str) or not text.strip():
+            raise ConstraintError("Grammar: the grammar text is empty")
+        self.ebnf, self.lark = ebnf, lark
+
+    def _compile(self, compiler: Any) -> Any:
+        if self.ebnf is not None:
+            return compiler.compile_grammar(self.ebnf)
+        return compiler.compile_lark(self.lark)
+
+    def describe(self) -> str:
+        text = (self.ebnf or self.lark or "").strip().splitlines()[0]
+        return f"Grammar({'ebnf' if self.ebnf is not None else 'lark'}: {text[:60]!r}...)"
+
+
+# ------------------------------------------------------------------------------ custom masks
+MaskFunction = Callable[[Sequence[tuple[int, ...]]], Any]
+
+
+class _BoundMask(BoundConstraint):
+    def __init__(self, fn: MaskFunction, width: int, what: str) -> None:
+        self.fn = fn
+        self.width = width
+        self.what = what
+        self.seconds = 0.0
+
+    def initial(self) -> tuple[int, ...]:
+        return ()
+
+    def masks(self, states: Sequence[tuple[int, ...]]) -> np.ndarray:
+        import time
+
+        t0 = time.perf_counter()
+        out = self.fn(list(states))
+        if hasattr(out, "detach"):  # a torch tensor
+            out = out.detach().cpu().numpy()
+        out = np.asarray(out)
+        if out.dtype != np.bool_ or out.shape != (len(states), self.width):
+            raise ValueError(
+                f"{self.what} returned an array of dtype {out.dtype} and shape {out.shape}; "
+                f"it must return bool [{len(states)}, {self.width}] (one row per particle)"
+            )
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def advance(self, state: tuple[int, ...], token: int) -> tuple[int, ...]:
+        return (*state, int(token))
+
+    def copy(self, state: tuple[int, ...]) -> tuple[int, ...]:
+        return state
+
+
+class TokenMask(Constraint):
+    """A custom constraint: ``fn(generated)`` gets the token ids each particle has generated so
+    far (a list of tuples, one per particle) and returns a bool array or tensor ``[m, V]``: True
+    where a token may come next (EOS included where the particle may end). Vectorise it: it is
+    called once per step for all particles. An exception it raises fails the SMC run that
+    called it, and nothing else."""
+
+    def __init__(self, fn: MaskFunction, name: str = "TokenMask") -> None:
+        if not callable(fn):
+            raise ConstraintError(f"TokenMask needs a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name
+
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        bound = _BoundMask(self.fn, width, self.name)
+        try:
+            first = bound.masks([()])
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's function; name it
+            raise ConstraintError(f"{self.name} raised on the empty prefix: {e!r}") from e
+        if not first.any():
+            raise ConstraintError(f"{self.name} allows no token at the start (empty language)")
+        bound.seconds = 0.0
+        return bound
+
+    def describe(self) -> str:
+        return self.name
+
+
+def as_constraint(obj: Any) -> Constraint:
+    """``obj`` as a :class:`Constraint`: a constraint as it is; a ``str`` is a regular expression,
+    a ``dict`` a JSON schema; anything else is refused with a message saying what to pass."""
+    if isinstance(obj, Constraint):
+        return obj
+    if isinstance(obj, str):
+        return Regex(obj)
+    if isinstance(obj, dict):
+        return JSONSchema(obj)
+    raise ConstraintError(
+        f"constraint must be a genlm_vlm.smc constraint (Regex, JSONSchema, Grammar, TokenMask), a regex "
+        f"string or a JSON-schema dict; got {type(obj).__name__}"
+    )
