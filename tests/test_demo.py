@@ -19,6 +19,7 @@ import torch
 import genlm_vlm
 from genlm_vlm import cli, demo
 from genlm_vlm.demo import report
+from genlm_vlm.smc import Particle, SMCController, SMCResult, drive
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -34,50 +35,22 @@ def _row(probs: dict[int, float]) -> torch.Tensor:
     return torch.log(p / p.sum()).float()
 
 
-# ------------------------------------------------------------------------------ pure helpers
-def test_constrained_step_weight_and_proposal() -> None:
-    row = _row({1: 0.1, 2: 0.2, 3: 0.3, 6: 0.4})
-    mask = torch.zeros(len(VOCAB), dtype=torch.bool)
-    mask[[1, 2, 3]] = True
-    log_mass, proposal = demo.constrained_step(row, mask)
-    assert log_mass == pytest.approx(math.log(0.6), abs=1e-6)
-    assert proposal is not None
-    assert torch.exp(proposal).sum().item() == pytest.approx(1.0, abs=1e-6)
-    assert proposal[6].item() == -math.inf
-    assert proposal[3].item() == pytest.approx(math.log(0.5), abs=1e-6)
-
-    none = torch.zeros(len(VOCAB), dtype=torch.bool)
-    none[0] = True  # only a zero-probability token
-    assert demo.constrained_step(row, none) == (-math.inf, None)
-
-
-def test_weights_ess_and_systematic_resampling() -> None:
-    assert demo.effective_sample_size([0.0] * 8) == pytest.approx(8.0)
-    assert demo.effective_sample_size([0.0, -math.inf, -math.inf]) == pytest.approx(1.0)
-    assert demo.effective_sample_size([-math.inf, -math.inf]) == 0.0
-    w = demo.normalized_weights([math.log(1), math.log(3)])
-    np.testing.assert_allclose(w, [0.25, 0.75])
-    assert demo.log_mean_exp([math.log(1), math.log(3)]) == pytest.approx(math.log(2))
-
-    rng = np.random.default_rng(0)
-    assert demo.systematic_resample(np.array([0.0, 1.0, 0.0]), rng) == [1, 1, 1]
-    assert demo.systematic_resample(np.full(5, 0.2), rng) == [0, 1, 2, 3, 4]
-    weights = np.array([0.5, 0.3, 0.15, 0.05])
-    for _ in range(20):
-        counts = np.bincount(demo.systematic_resample(weights, rng), minlength=4)
-        expected = 4 * weights
-        assert np.all(counts >= np.floor(expected)) and np.all(counts <= np.ceil(expected))
-
-
+# ------------------------------------------------------------------------------ constraints
 def test_charset_and_regex_constraints() -> None:
     cs = demo.CharSetConstraint("ab ", VOCAB, EOS, special_ids=[0, 1])
     assert cs.mask(b"").nonzero().flatten().tolist() == [1, 2, 3, 4, 5]  # EOS + a, b, " ", ab
-    rc = demo.RegexConstraint("ab+", VOCAB, EOS, special_ids=[0, 1])
-    assert rc.mask(b"").nonzero().flatten().tolist() == [2, 5]  # "a", "ab"
-    assert rc.mask(b"a").nonzero().flatten().tolist() == [3]
-    assert rc.mask(b"ab").nonzero().flatten().tolist() == [1, 3]  # EOS once it fully matches
-    both = demo.AllOf([cs, rc])
-    assert both.mask(b"ab").nonzero().flatten().tolist() == [1, 3]
+    rc, _ = demo.demo_constraint(None, "ab+", VOCAB, EOS, [0, 1])
+    bound = rc.bind(VOCAB, [EOS], len(VOCAB))
+    s0 = bound.initial()
+    assert np.flatnonzero(bound.masks([s0])[0]).tolist() == [2, 5]  # "a", "ab"
+    s1 = bound.advance(bound.copy(s0), 2)
+    assert np.flatnonzero(bound.masks([s1])[0]).tolist() == [3]
+    s2 = bound.advance(bound.copy(s0), 5)
+    assert np.flatnonzero(bound.masks([s2])[0]).tolist() == [1, 3]  # EOS once it fully matches
+    both, described = demo.demo_constraint("ab ", "ab+", VOCAB, EOS, [0, 1])
+    b2 = both.bind(VOCAB, [EOS], len(VOCAB))
+    assert np.flatnonzero(b2.masks([b2.advance(b2.initial(), 5)])[0]).tolist() == [1, 3]
+    assert "characters in 'ab '" in described and "/ab+/" in described
 
 
 def test_parse_engine_opts() -> None:
@@ -103,8 +76,9 @@ def test_parse_engine_opts() -> None:
 
 # ------------------------------------------------------------------------ SMC with a fake model
 class FakeLM:
-    """A next-token distribution given by ``probs`` (a dict, or a function of the generated ids);
-    counts awaits and checks that every context starts with the prompt."""
+    """A next-token distribution given by ``probs`` (a dict, or a function of the generated ids),
+    with the one method :func:`genlm_vlm.smc.drive` awaits; counts rows and checks that every
+    context starts with the prompt."""
 
     def __init__(
         self, probs: dict[int, float] | Callable[[list[int]], dict[int, float]], prompt: list[int]
@@ -113,26 +87,32 @@ class FakeLM:
         self.prompt = prompt
         self.calls = 0
 
-    async def __call__(self, ids: list[int]) -> torch.Tensor:
-        assert ids[: len(self.prompt)] == self.prompt
-        self.calls += 1
+    async def batch_next_token_logprobs(self, ids_list: list, lora_name: str | None = None) -> torch.Tensor:
+        rows = []
+        for ids in ids_list:
+            ids = list(ids)
+            assert ids[: len(self.prompt)] == self.prompt
+            self.calls += 1
+            probs = self.probs(ids[len(self.prompt) :]) if callable(self.probs) else self.probs
+            rows.append(_row(probs))
         await asyncio.sleep(0)
-        probs = self.probs(ids[len(self.prompt) :]) if callable(self.probs) else self.probs
-        return _row(probs)
+        return torch.stack(rows)
 
 
-def _run(fake: FakeLM, constraint: demo.Constraint, **kw: object) -> demo.SMCResult:
-    return asyncio.run(demo.run_smc(fake, fake.prompt, constraint, VOCAB, EOS, **kw))  # type: ignore[arg-type]
+def _run(fake: FakeLM, allowed: str, n_particles: int, max_tokens: int, seed: int) -> SMCResult:
+    constraint, _ = demo.demo_constraint(allowed, None, VOCAB, EOS, [0, 1])
+    bound = constraint.bind(VOCAB, [EOS], len(VOCAB))
+    ctl = SMCController(bound, n_particles, max_tokens, eos_ids=[EOS], byte_vocab=VOCAB, seed=seed)
+    return asyncio.run(drive(fake, fake.prompt, ctl))
 
 
 def test_smc_exact_weights_without_eos() -> None:
     # p(a)=p(b)=0.3, p(".")=0.4; allowed mass is 0.6 at every step for every particle.
     fake = FakeLM({2: 0.3, 3: 0.3, 6: 0.4}, prompt=[0])
-    cs = demo.CharSetConstraint("ab", VOCAB, EOS, special_ids=[0, 1])
-    res = _run(fake, cs, n_particles=16, max_tokens=5, rng=np.random.default_rng(1))
-    assert res.log_evidence == pytest.approx(5 * math.log(0.6), abs=1e-5)
+    res = _run(fake, "ab", n_particles=16, max_tokens=5, seed=1)
+    assert res.log_marginal == pytest.approx(5 * math.log(0.6), abs=1e-5)
     assert res.resamples == 0 and res.steps == 5
-    assert res.awaits == fake.calls == 16 * 5
+    assert res.stats["rows"] == fake.calls == 16 * 5
     for p in res.particles:
         assert len(p.token_ids) == 5 and set(p.text) <= set(b"ab")
         assert p.log_weight == pytest.approx(5 * math.log(0.6), abs=1e-5)
@@ -143,11 +123,10 @@ def test_smc_evidence_with_eos_is_unbiased() -> None:
     T = 4
     exact = sum(0.5**k * 0.1 for k in range(T)) + 0.5**T
     fake = FakeLM({1: 0.1, 2: 0.25, 4: 0.25, 6: 0.4}, prompt=[0, 2])
-    cs = demo.CharSetConstraint("a ", VOCAB, EOS, special_ids=[0, 1])
     estimates = []
     for seed in range(8):
-        res = _run(fake, cs, n_particles=200, max_tokens=T, rng=np.random.default_rng(seed))
-        estimates.append(math.exp(res.log_evidence))
+        res = _run(fake, "a ", n_particles=200, max_tokens=T, seed=seed)
+        estimates.append(math.exp(res.log_marginal))
         for p in res.particles:
             assert set(p.text) <= set(b"a ") and len(p.token_ids) <= T
             assert p.finished or len(p.token_ids) == T
@@ -163,22 +142,27 @@ def test_smc_resamples_away_from_dead_ends() -> None:
         return {2: 0.3, 3: 0.6, 6: 0.1}
 
     fake = FakeLM(probs, prompt=[0])
-    cs = demo.CharSetConstraint("ab", VOCAB, EOS, special_ids=[0, 1])
-    estimates = []
-    for seed in range(10):
-        res = _run(fake, cs, n_particles=64, max_tokens=2, rng=np.random.default_rng(seed))
-        assert res.resamples == 1 and res.resampled_at == [2]  # the weights part at step 2
-        assert sum(p.text == b"ba" for p in res.particles) <= 6  # ~2% of them in expectation
-        estimates.append(math.exp(res.log_evidence))
-    assert np.mean(estimates) == pytest.approx(0.3 * 0.9 + 0.6 * 0.01, rel=0.05)
+    estimates, resampled = [], 0
+    for seed in range(100):
+        res = _run(fake, "ab", n_particles=64, max_tokens=3, seed=seed)
+        # the weights part at step 2; after step 3 every particle is cut: nothing to resample for
+        assert res.resampled_at in ([], [2])
+        if res.resampled_at:
+            resampled += 1
+            assert sum(p.text.startswith(b"b") for p in res.particles) <= 6  # ~2% of them in expectation
+        estimates.append(math.exp(res.log_marginal))
+    assert resampled >= 90
+    # P(3 allowed tokens) = aa* + ab* + ba* = .3*.3*.9 + .3*.6*.01 + .6*.01*.9
+    # (about 3 standard errors over 100 runs)
+    assert np.mean(estimates) == pytest.approx(0.3 * 0.3 * 0.9 + 0.3 * 0.6 * 0.01 + 0.6 * 0.01 * 0.9, rel=0.1)
 
 
 def test_smc_dead_particles() -> None:
     fake = FakeLM({6: 1.0}, prompt=[0])  # only "." has probability: nothing allowed survives
-    cs = demo.CharSetConstraint("ab", VOCAB, EOS, special_ids=[0, 1])
-    res = _run(fake, cs, n_particles=4, max_tokens=3, rng=np.random.default_rng(0))
-    assert res.log_evidence == -math.inf
-    assert all(p.finished and not p.token_ids for p in res.particles)
+    res = _run(fake, "ab", n_particles=4, max_tokens=3, seed=0)
+    assert res.log_marginal == -math.inf
+    assert all(p.dead and not p.token_ids for p in res.particles)
+    assert res.stats["died_at"] == 1 and res.posterior == {}
 
 
 # ------------------------------------------------------------------------------ the real thing
@@ -213,8 +197,8 @@ def _parse(output: str) -> tuple[list[tuple[float, int, str, bool]], dict[str, i
     stats = {
         key: int(m.group(1))
         for key, pattern in (
-            ("awaits", r"awaits \(next_token_logprobs calls\):\s+(\d+)"),
-            ("engine_calls", r"engine calls:\s+(\d+)"),
+            ("rows", r"rows \(particle-steps\):\s+(\d+)"),
+            ("engine_steps", r"engine steps:\s+(\d+)"),
         )
         if (m := re.search(pattern, output))
     }
@@ -230,8 +214,8 @@ def _check(
     assert sum(w for w, _, _, _ in particles) == pytest.approx(1.0, abs=1e-3 * len(particles))
     for _, _, text, _ in particles:
         assert allowed(text), text
-    assert stats["engine_calls"] <= max_tokens
-    assert stats["engine_calls"] < stats["awaits"], stats
+    assert stats["engine_steps"] <= max_tokens + 1  # one engine step per SMC step (+ the prompt's)
+    assert stats["engine_steps"] < stats["rows"], stats
     assert "estimated log P(constraint)" in output
     return particles
 
@@ -265,22 +249,22 @@ def test_default_demo_resamples_and_particles_finish_quietly() -> None:
 
 
 def test_describe_run_counts_resamples_and_endings() -> None:
-    p = demo.Particle
+    p = Particle
     particles = [
-        p([2], b"a", 0.0, True),
-        p([2], b"a", 0.0, True),
-        p([3], b"b", 0.0, False),
-        p([], b"", -math.inf, True),
+        p([2], b"a", 0.0, "finished"),
+        p([2], b"a", 0.0, "finished"),
+        p([3], b"b", 0.0, "cut"),
+        p([], b"", -math.inf, "dead"),
     ]
-    result = demo.SMCResult(particles, -1.0, steps=7, resamples=2, awaits=20, resampled_at=[3, 5])
+    result = SMCResult(particles, -1.0, {}, resampled_at=[3, 5], stats={"steps": 7})
     assert report.describe_run(result, 0.5, 7) == [
         "SMC: 7 steps, resampled 2 times (after steps 3 and 5: the effective sample size fell "
         "below 0.5 x 4)",
         "particles: 2 of 4 ended with EOS, 1 cut off by --max-tokens 7, 1 died",
     ]
-    once = demo.SMCResult(particles[:3], -1.0, 4, 1, 9, resampled_at=[2])
+    once = SMCResult(particles[:3], -1.0, {}, resampled_at=[2], stats={"steps": 4})
     assert "resampled once (after step 2:" in report.describe_run(once, 0.5, 7)[0]
-    never = demo.SMCResult(particles[:3], -1.0, 4, 0, 9)
+    never = SMCResult(particles[:3], -1.0, {}, stats={"steps": 4})
     assert report.describe_run(never, 0.25, 7)[0] == (
         "SMC: 4 steps, never resampled (the effective sample size stayed at or above 0.25 x 3)"
     )

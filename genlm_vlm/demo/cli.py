@@ -9,7 +9,6 @@ typo costs milliseconds. Internal module of :mod:`genlm_vlm.demo` (run it as
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import math
 import os
@@ -29,9 +28,8 @@ from ..cli import (
     resolve_model_arg,
     verbosity_of,
 )
-from .constraints import AllOf, CharSetConstraint, Constraint, RegexConstraint, compile_regex
+from .constraints import compile_regex, demo_constraint
 from .report import PARTICLE_LEGEND, describe_run, format_particles, format_stats, summarize
-from .smc import run_smc
 
 #: The constraint when neither ``--regex`` nor ``--allowed-chars`` is given: a lipogram (no
 #: letter ``e``). On the shipped model it keeps about half of the vocabulary, so particles drift
@@ -116,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="resample when ESS < this x N, between 0 (never) and 1 (default 0.5)",
     )
     add_engine_opt_option(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="accepted for older scripts: the run is one engine burst and shows no progress bar")
     add_verbosity_options(
-        p, quiet_help="no progress bar and nothing on stderr but errors (vLLM's included)"
+        p, quiet_help="nothing on stderr but errors (vLLM's included)"
     )
     return p
 
@@ -160,16 +159,11 @@ def check_args(args: argparse.Namespace, user_opts: dict[str, Any]) -> None:
 
 def make_constraint(
     args: argparse.Namespace, byte_vocab: Sequence[bytes], eos_id: int, special_ids: Sequence[int]
-) -> Constraint:
-    """The constraint the options ask for: ``--allowed-chars``, ``--regex`` or both; neither:
-    :data:`DEFAULT_REGEX`."""
-    parts: list[Constraint] = []
-    if args.allowed_chars is not None:
-        parts.append(CharSetConstraint(args.allowed_chars, byte_vocab, eos_id, special_ids))
+) -> tuple[Any, str]:
+    """The constraint the options ask for (``--allowed-chars``, ``--regex`` or both; neither:
+    :data:`DEFAULT_REGEX`) and its one-line description."""
     regex = DEFAULT_REGEX if args.regex is None and args.allowed_chars is None else args.regex
-    if regex is not None:
-        parts.append(RegexConstraint(regex, byte_vocab, eos_id, special_ids))
-    return parts[0] if len(parts) == 1 else AllOf(parts)
+    return demo_constraint(args.allowed_chars, regex, byte_vocab, eos_id, special_ids)
 
 
 def _eos_id(tokenizer: Any) -> int:
@@ -215,12 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -> int:
-    import numpy as np
-
+    from ..smc import ConstraintError
+    from ..smc.api import bind
     from ..vllm_lm import AsyncVirtualLM
 
     verbose = logs.vllm_log_level() <= logging.INFO
-    progress = not (args.no_progress or args.quiet)
     t0 = time.perf_counter()
     # vLLM's weight-loading bar is off unless verbose: engine.build_llm decides (as for the API)
     engine_opts = {**default_engine_opts(), **user_opts}
@@ -241,16 +234,23 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
         byte_vocab = lm.byte_vocab
         special_ids = [int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None]
         try:
-            constraint = make_constraint(args, byte_vocab, eos_id, special_ids)
+            constraint, described = make_constraint(args, byte_vocab, eos_id, special_ids)
             prompt_ids = _prompt_ids(tokenizer, args.prompt)
+            bound = bind(lm, constraint, (eos_id,))
+            first = bound.masks([bound.initial()])[0]
+        except ConstraintError as e:
+            _error(
+                f"{e}: no token of this model's vocabulary can start a text the constraint allows, "
+                "so no particle could generate any text. Allow more characters (--allowed-chars) or "
+                "loosen --regex."
+            )
+            return 2
         except (ValueError, ImportError) as e:
             _error(str(e))
             return 2
-        first = constraint.mask(b"")
         if int(first.sum()) - int(bool(first[eos_id])) == 0:
-            what = "only EOS" if bool(first[eos_id]) else "no token at all (not even EOS)"
             _error(
-                f"the constraint ({constraint.describe()}) allows {what} right after the prompt: "
+                f"the constraint ({described}) allows only EOS right after the prompt: "
                 "no token of this model's vocabulary satisfies it, so no particle could generate "
                 "any text. Allow more characters (--allowed-chars) or loosen --regex."
             )
@@ -266,42 +266,26 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
         allowed = int(first.sum()) - int(bool(first[eos_id]))
         print(f"model:      {shown}")
         print(f"prompt:     {args.prompt!r} ({len(prompt_ids)} tokens incl. BOS)")
-        print(f"constraint: {constraint.describe()}")
+        print(f"constraint: {described}")
         print(f"            ({allowed} of the {len(byte_vocab)} tokens may come first)")
         print(
             f"SMC:        {args.particles} particles, up to {args.max_tokens} tokens, "
             f"resample when ESS < {args.ess_threshold:g} N, seed {args.seed}"
         )
+        print("            (the whole run is one burst on the engine thread: lm.smc, genlm_vlm.smc)")
         sys.stdout.flush()
-        if progress:
-            print(
-                "(progress bar: ess = effective sample size of the particle weights, "
-                f"resampling when < {args.ess_threshold:g} x {args.particles}; "
-                "live = particles still generating)",
-                file=sys.stderr,
-            )
 
         t1 = time.perf_counter()
-        result = asyncio.run(
-            run_smc(
-                lm.next_token_logprobs,
-                prompt_ids,
-                constraint,
-                byte_vocab,
-                eos_id,
-                n_particles=args.particles,
-                max_tokens=args.max_tokens,
-                ess_threshold=args.ess_threshold,
-                rng=np.random.default_rng(args.seed),
-                progress=progress,
-            )
+        result = lm.smc_sync(
+            prompt_ids, constraint, args.particles, args.max_tokens,
+            ess_threshold=args.ess_threshold, seed=args.seed, eos_token_ids=[eos_id],
         )
         t_smc = time.perf_counter() - t1
         stats = lm.stats
     finally:
         lm.cleanup()
 
-    n_distinct = len({(p.text, p.finished) for p in result.particles})
+    n_distinct = len({(p.text, p.status) for p in result.particles})
     print(f"\nparticles ({args.particles}, {n_distinct} distinct), heaviest first:")
     print(PARTICLE_LEGEND)
     for line in format_particles(result, args.prompt):
@@ -312,14 +296,14 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
     for line in summarize(result, args.max_tokens):
         print(line)
     print("engine statistics:")
-    for line in format_stats(stats, result.awaits):
+    for line in format_stats(stats, result):
         print(line)
     per_step = t_smc / max(result.steps, 1)
     print(
         f"time: engine start {t_load:.1f} s, SMC {t_smc:.2f} s ({per_step * 1000:.0f} ms/step), "
         f"total {time.perf_counter() - t0:.1f} s (after imports)"
     )
-    return 0 if math.isfinite(result.log_evidence) else 1
+    return 0 if math.isfinite(result.log_marginal) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,9 +1,10 @@
-"""The demo's token constraints: which tokens may follow the text generated so far.
+"""The demo's constraints, as :mod:`genlm_vlm.smc` constraints like any other.
 
-A constraint turns the text a particle has generated into a boolean mask over the vocabulary
-(EOS included when the text may end there): :class:`CharSetConstraint` (a character set),
-:class:`RegexConstraint` (a regular expression, prefix-matched) and :class:`AllOf` (their
-intersection). Internal module of :mod:`genlm_vlm.demo`.
+``--allowed-chars`` is a :class:`CharSetConstraint`: a mask over the vocabulary that does not
+depend on the text (served to SMC as a :class:`~genlm_vlm.smc.TokenMask`); ``--regex`` is a
+:class:`~genlm_vlm.smc.Regex`; both together an :class:`~genlm_vlm.smc.AllOf`.
+:func:`compile_regex` checks a pattern's syntax before torch or vLLM is imported. Internal module
+of :mod:`genlm_vlm.demo`.
 """
 
 from __future__ import annotations
@@ -90,65 +91,27 @@ def compile_regex(pattern: str) -> Any:
         ) from None
 
 
-class RegexConstraint:
-    """Generated text must be a prefix of a string matching ``pattern`` (whole-string match).
+def demo_constraint(
+    allowed_chars: str | None, regex: str | None, byte_vocab: Sequence[bytes], eos_id: int, special_ids: Sequence[int]
+) -> tuple[Any, str]:
+    """The :mod:`genlm_vlm.smc` constraint for ``--allowed-chars`` and/or ``--regex``, and one
+    line describing it."""
+    import numpy as np
 
-    Uses the ``regex`` package's partial matching: a token is allowed when the text with the
-    token appended can still be extended to a full match; EOS is allowed when the text already
-    matches. Tokens whose bytes are not valid UTF-8 on their own are never allowed.
-    """
+    from ..smc import AllOf, Regex, TokenMask
 
-    def __init__(
-        self,
-        pattern: str,
-        byte_vocab: Sequence[bytes],
-        eos_id: int,
-        special_ids: Sequence[int] = (),
-    ) -> None:
-        self.pattern = pattern
-        self._re = compile_regex(pattern)
-        self._eos = eos_id
-        self._size = len(byte_vocab)
-        self._tokens: list[tuple[int, str]] = []
-        for i in _usable_tokens(byte_vocab, special_ids):
-            try:
-                self._tokens.append((i, byte_vocab[i].decode("utf-8")))
-            except UnicodeDecodeError:
-                continue
-        self._cache: dict[bytes, torch.Tensor] = {}
+    parts: list[Any] = []
+    words: list[str] = []
+    if allowed_chars is not None:
+        cs = CharSetConstraint(allowed_chars, byte_vocab, eos_id, special_ids)
+        static = cs.mask(b"").numpy()
 
-    def mask(self, generated: bytes) -> torch.Tensor:
-        cached = self._cache.get(generated)
-        if cached is not None:
-            return cached
-        import torch
+        def same_for_all(generated: Sequence[tuple[int, ...]]) -> Any:
+            return np.broadcast_to(static, (len(generated), static.size))
 
-        text = generated.decode("utf-8", errors="replace")
-        mask = torch.zeros(self._size, dtype=torch.bool)
-        fullmatch = self._re.fullmatch
-        for i, piece in self._tokens:
-            if fullmatch(text + piece, partial=True) is not None:
-                mask[i] = True
-        if fullmatch(text) is not None:
-            mask[self._eos] = True
-        self._cache[generated] = mask
-        return mask
-
-    def describe(self) -> str:
-        return f"text matching /{self.pattern}/ (prefix-closed) and EOS once it fully matches"
-
-
-class AllOf:
-    """Intersection of several constraints."""
-
-    def __init__(self, parts: Sequence[Constraint]) -> None:
-        self.parts = list(parts)
-
-    def mask(self, generated: bytes) -> torch.Tensor:
-        out = self.parts[0].mask(generated)
-        for part in self.parts[1:]:
-            out = out & part.mask(generated)
-        return out
-
-    def describe(self) -> str:
-        return " and ".join(p.describe() for p in self.parts)
+        parts.append(TokenMask(same_for_all, name=f"allowed characters {allowed_chars!r}"))
+        words.append(cs.describe())
+    if regex is not None:
+        parts.append(Regex(regex))
+        words.append(f"text matching /{regex}/, then EOS")
+    return (parts[0] if len(parts) == 1 else AllOf(*parts)), " and ".join(words)

@@ -1,7 +1,7 @@
 """The text the demo prints after SMC: the particle table, what SMC did, and the engine's counters.
 
-Pure functions of an :class:`~genlm_vlm.demo.smc.SMCResult` (and the model's ``stats``), so the
-output can be tested without a model. Internal module of :mod:`genlm_vlm.demo`.
+Pure functions of a :class:`genlm_vlm.smc.SMCResult` (and the model's ``stats``), so the output
+can be tested without a model. Internal module of :mod:`genlm_vlm.demo`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,19 @@ import json
 import math
 from typing import Any
 
-from .smc import SMCResult, normalized_weights
+import numpy as np
+
+from ..smc import SMCResult
+
+
+def normalized_weights(log_weights: list[float]) -> np.ndarray:
+    """``exp(log_weights)`` normalised to sum to 1 (all zero if every weight is zero)."""
+    lw = np.asarray(log_weights, dtype=np.float64)
+    top = np.max(lw) if lw.size else -np.inf
+    if not np.isfinite(top):
+        return np.zeros_like(lw)
+    w = np.exp(lw - top)
+    return w / w.sum()
 
 #: Printed above the particle table.
 PARTICLE_LEGEND = (
@@ -63,7 +75,7 @@ def describe_run(result: SMCResult, ess_threshold: float, max_tokens: int) -> li
     else:
         resampled = f"never resampled (the effective sample size stayed at or above {floor})"
     ended = (
-        f"particles: {result.n_eos} of {n} ended with EOS, {result.n_cut} cut off by "
+        f"particles: {result.n_finished} of {n} ended with EOS, {result.n_cut} cut off by "
         f"--max-tokens {max_tokens}"
     )
     if result.n_dead:
@@ -74,8 +86,9 @@ def describe_run(result: SMCResult, ess_threshold: float, max_tokens: int) -> li
 def summarize(result: SMCResult, max_tokens: int) -> list[str]:
     """What ``log P(constraint)`` estimates, and why it is ``-inf`` or partial when it is."""
     n = len(result.particles)
-    if result.died_at is not None or not math.isfinite(result.log_evidence):
-        step = f" at step {result.died_at}" if result.died_at is not None else ""
+    died_at = result.stats.get("died_at")
+    if died_at is not None or not math.isfinite(result.log_marginal):
+        step = f" at step {died_at}" if died_at is not None else ""
         return [
             f"no particle can satisfy the constraint: all {n} died{step} (each reached a text "
             "after which no allowed token, EOS included, has probability > 0 under the model), "
@@ -84,7 +97,7 @@ def summarize(result: SMCResult, max_tokens: int) -> list[str]:
             "accept what the model can write from this prompt (and end it, so EOS is allowed).",
         ]
     lines = [
-        f"estimated log P(constraint) = {result.log_evidence:.3f}: the log-probability that "
+        f"estimated log P(constraint) = {result.log_marginal:.3f}: the log-probability that "
         f"the model's own text obeys the constraint up to EOS or for {max_tokens} tokens",
     ]
     cut = result.n_cut
@@ -97,17 +110,18 @@ def summarize(result: SMCResult, max_tokens: int) -> list[str]:
     return lines
 
 
-def format_stats(stats: dict[str, Any], awaits: int) -> list[str]:
-    """The engine's counters after the run (see ``AsyncVirtualLM.stats``)."""
-    lp = stats.get("logprobs", {})
-    cache = stats.get("cache", {})
+def format_stats(stats: dict[str, Any], result: SMCResult) -> list[str]:
+    """The run's and the engine's counters (see ``AsyncVirtualLM.stats``)."""
+    rs = result.stats
+    steps = max(1, int(rs.get("steps", 0)))
+    tokens = stats.get("tokens") if isinstance(stats.get("tokens"), dict) else {}
+    forks = stats.get("forks") if isinstance(stats.get("forks"), dict) else {}
     return [
-        f"  awaits (next_token_logprobs calls): {awaits}",
-        f"  engine calls:                       {stats.get('engine_calls')}",
-        f"  engine requests (prompts run):      {stats.get('engine_requests')}",
-        f"  dedup joins (identical in flight):  {lp.get('dedup_joins')}",
-        f"  cache hits:                         {lp.get('cache_hits')}",
-        f"  max batch:                          {lp.get('max_batch')}",
-        f"  batch sizes {{size: calls}}:          {lp.get('batch_sizes')}",
-        f"  cached rows:                        {cache.get('entries')} ({(cache.get('nbytes') or 0) / 2**20:.1f} MiB)",
+        f"  rows (particle-steps):              {rs.get('rows')}",
+        f"  engine steps:                       {stats.get('engine_steps')}",
+        f"  engine requests (sessions, chunks): {stats.get('engine_requests')}",
+        f"  tokens computed by the engine:      {tokens.get('scheduled')}",
+        f"  forks sharing their parent's KV:    {forks.get('copied', 0) + forks.get('aligned', 0)}",
+        f"  constraint (masks) per step:        {1e3 * float(rs.get('constraint_s', 0.0)) / steps:.2f} ms",
+        f"  controller per step (masks incl.):  {1e3 * float(rs.get('controller_s', 0.0)) / steps:.2f} ms",
     ]

@@ -132,6 +132,17 @@ class ReplicaWorker:
             ))
         return [list(o) for o in outs]
 
+    # ------------------------------------------------------------------ controllers
+    async def smc(self, prompt: list[int], constraint: Any, n_particles: int, max_tokens: int,
+                  kwargs: dict[str, Any]) -> Any:
+        """``lm.smc(...)`` here: a burst on this replica's engine thread."""
+        result = await self.lm.smc(prompt, constraint, n_particles, max_tokens, **kwargs)
+        result.stats["replica"] = self.index
+        return result
+
+    async def run_controller(self, prompt: list[int], controller: Any, lora_name: str | None, start: Any) -> Any:
+        return await self.lm.run_controller(prompt, controller, lora_name=lora_name, start=start)
+
     # ------------------------------------------------------------------ housekeeping
     async def add_lora(self, path: str, name: str) -> None:
         await asyncio.to_thread(self.lm.add_new_lora, path, name)

@@ -254,6 +254,39 @@ class CallMixin:
                 outs[i] = list(o)
         return outs
 
+    # ------------------------------------------------------------------ controllers (genlm_vlm.smc)
+    async def _on_one_replica(self, prompt: tuple[int, ...], lora_name: str | None, method: str, *args: Any) -> Any:
+        """``actor.method(*args)`` on the replica ``prompt`` routes to (its session or cached prefix)."""
+        adapter = self._loras.resolve(lora_name)  # type: ignore[attr-defined]
+        akey = 0 if adapter is None else adapter.int_id
+        [(replica, gen)] = self._router.route_many([(akey, prompt)], record=False)
+        return await self._await_call(replica, gen, 1, method, *args)
+
+    async def smc(self, prompt_ids: Any, constraint: Any, n_particles: int, max_tokens: int, **kwargs: Any) -> Any:
+        """:meth:`~genlm_vlm.AsyncLM.smc` on one replica, where the whole run is a burst on its
+        engine thread (``in_engine=False``: per token over the pool). The arguments are checked
+        here first; the constraint travels as its description and is compiled there."""
+        from ..smc import api
+
+        self._check_open()  # type: ignore[attr-defined]
+        in_engine = kwargs.get("in_engine", True)
+        prompt, controller = api.prepare(self, prompt_ids, constraint, n_particles, max_tokens,
+                                         **{k: v for k, v in kwargs.items() if k != "in_engine"})
+        if not in_engine:
+            return await api.run(self, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=False)
+        del controller  # holds compiled matchers; the replica builds its own
+        return await self._on_one_replica(prompt, kwargs.get("lora_name"), "smc", list(prompt), constraint,
+                                          n_particles, max_tokens, kwargs)
+
+    async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
+                             start: Any = None) -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica; the controller
+        travels there and back by pickle (Ray's), so it must pickle before its first step."""
+        self._check_open()  # type: ignore[attr-defined]
+        prompt = self._check_ids(prompt_ids, "prompt_ids")  # type: ignore[attr-defined]
+        return await self._on_one_replica(prompt, lora_name, "run_controller", list(prompt), controller,
+                                          lora_name, start)
+
     # ------------------------------------------------------------------ LoRA (ServingLM hooks)
     def _check_lora_support(self) -> None:
         if not self.engine_info.lora_enabled:  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@
   proposal, on any model; on :class:`~genlm_vlm.AsyncVirtualLM` the whole run happens on the
   engine thread (a *burst*), with no trip through the event loop per token.
 * Constraints: :class:`Regex`, :class:`JSONSchema`, :class:`Grammar` (EBNF or Lark; xgrammar),
-  :class:`TokenMask` (your own vectorised mask function).
+  :class:`TokenMask` (your own vectorised mask function), :class:`AllOf` (several at once).
 * The seam: :class:`Controller`, :class:`Decision` and
   :meth:`genlm_vlm.AsyncLM.run_controller`, for another SMC implementation to run its own
   per-step logic in the engine; :func:`drive` runs any controller per token in Python (the
@@ -13,6 +13,7 @@
 
 from .algorithm import Particle, SMCController, SMCResult
 from .constraints import (
+    AllOf,
     BoundConstraint,
     Constraint,
     ConstraintError,
@@ -25,6 +26,7 @@ from .constraints import (
 from .controller import Controller, Decision, ParticleSet, drive
 
 __all__ = [
+    "AllOf",
     "BoundConstraint",
     "Constraint",
     "ConstraintError",

@@ -50,7 +50,13 @@ class Particle:
 
     @property
     def finished(self) -> bool:
+        """Ended with EOS: its text is complete."""
         return self.status == "finished"
+
+    @property
+    def dead(self) -> bool:
+        """Ended because its constraint kept no probability (weight zero)."""
+        return self.status == "dead"
 
 
 @dataclass
@@ -84,6 +90,27 @@ class SMCResult:
     @property
     def log_weights(self) -> list[float]:
         return [p.log_weight for p in self.particles]
+
+    @property
+    def steps(self) -> int:
+        """Steps run (the longest particle's tokens, its EOS included)."""
+        return int(self.stats.get("steps", 0))
+
+    @property
+    def resamples(self) -> int:
+        return len(self.resampled_at)
+
+    @property
+    def n_finished(self) -> int:
+        return sum(p.status == "finished" for p in self.particles)
+
+    @property
+    def n_cut(self) -> int:
+        return sum(p.status == "cut" for p in self.particles)
+
+    @property
+    def n_dead(self) -> int:
+        return sum(p.status == "dead" for p in self.particles)
 
 
 def _logsumexp(x: np.ndarray) -> float:
@@ -132,6 +159,7 @@ class SMCController(Controller):
         self.ess: list[float] = []
         self.resampled_at: list[int] = []
         self.steps = 0
+        self.died_at: int | None = None
         self.rows = 0
         self.seconds = 0.0
 
@@ -196,6 +224,8 @@ class SMCController(Controller):
         total = _logsumexp(lw)
         if not math.isfinite(total):  # every particle died
             self.ess.append(0.0)
+            if self.died_at is None:
+                self.died_at = self.steps
             return None
         w = np.exp(lw - total)
         ess = 1.0 / float(np.sum(w * w))
@@ -236,6 +266,7 @@ class SMCController(Controller):
             "finished": sum(p.status == "finished" for p in particles),
             "cut": sum(p.status == "cut" for p in particles),
             "dead": sum(p.status == "dead" for p in particles),
+            "died_at": self.died_at,
             "controller_s": round(self.seconds, 6),
             "constraint_s": round(self.constraint.seconds, 6),
         }

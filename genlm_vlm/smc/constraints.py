@@ -301,6 +301,51 @@ class TokenMask(Constraint):
         return self.name
 
 
+class _BoundAll(BoundConstraint):
+    def __init__(self, parts: list[BoundConstraint]) -> None:
+        self.parts = parts
+
+    @property
+    def seconds(self) -> float:  # type: ignore[override]
+        return sum(p.seconds for p in self.parts)
+
+    def initial(self) -> tuple[Any, ...]:
+        return tuple(p.initial() for p in self.parts)
+
+    def masks(self, states: Sequence[tuple[Any, ...]]) -> np.ndarray:
+        out = None
+        for k, part in enumerate(self.parts):
+            m = part.masks([s[k] for s in states])
+            out = np.array(m, dtype=bool) if out is None else out & m
+        assert out is not None
+        return out
+
+    def advance(self, state: tuple[Any, ...], token: int) -> tuple[Any, ...]:
+        return tuple(p.advance(s, token) for p, s in zip(self.parts, state, strict=True))
+
+    def copy(self, state: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(p.copy(s) for p, s in zip(self.parts, state, strict=True))
+
+
+class AllOf(Constraint):
+    """Every one of ``constraints`` holds: a token is allowed where all of them allow it."""
+
+    def __init__(self, *constraints: Any) -> None:
+        if not constraints:
+            raise ConstraintError("AllOf needs at least one constraint")
+        self.constraints = [as_constraint(c) for c in constraints]
+
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        bound = _BoundAll([c.bind(byte_vocab, eos_ids, width, cache) for c in self.constraints])
+        if not bound.masks([bound.initial()]).any():
+            raise ConstraintError(f"{self.describe()}: no token is allowed by all of them at the start (empty language)")
+        return bound
+
+    def describe(self) -> str:
+        return " and ".join(c.describe() for c in self.constraints)
+
+
 def as_constraint(obj: Any) -> Constraint:
     """``obj`` as a :class:`Constraint`: a constraint as it is; a ``str`` is a regular expression,
     a ``dict`` a JSON schema; anything else is refused with a message saying what to pass."""
@@ -311,6 +356,6 @@ def as_constraint(obj: Any) -> Constraint:
     if isinstance(obj, dict):
         return JSONSchema(obj)
     raise ConstraintError(
-        f"constraint must be a genlm_vlm.smc constraint (Regex, JSONSchema, Grammar, TokenMask), a regex "
+        f"constraint must be a genlm_vlm.smc constraint (Regex, JSONSchema, Grammar, TokenMask, AllOf), a regex "
         f"string or a JSON-schema dict; got {type(obj).__name__}"
     )
