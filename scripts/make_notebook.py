@@ -53,7 +53,7 @@ For your own model, pass a Hugging Face name or a local path to `AsyncVirtualLM.
 3. Many concurrent awaits (one SMC step)
 4. Blocking calls and scoring
 5. Sampling
-6. SMC under a regex constraint, with genlm-control
+6. SMC under a regex constraint, with genlm-control, and inside the engine
 7. A LoRA adapter
 8. Statistics and cleanup""",
     ),
@@ -348,6 +348,38 @@ sequences = await AWRS(llm, condition, seed=0).smc(n_particles=16, ess_threshold
 print(f"estimated log P(constraint) = {sequences.log_ml:.2f}")
 for text, p in sorted(sequences.decoded_posterior.items(), key=lambda kv: -kv[1]):
     print(f"  {p:.3f}  {'the' + text + '.'!r}")""",
+    ),
+    (
+        "markdown",
+        "smc-engine-md",
+        (),
+        """\
+### The same SMC inside the engine: `lm.smc`
+
+`lm.smc(prompt_ids, constraint, n_particles, max_tokens, seed=...)` runs SMC with the locally
+optimal proposal (each particle samples from its row masked by the constraint and renormalised, and
+its weight grows by the mass the mask kept) as one *burst* on the engine thread: each engine step
+hands the particles' rows to the algorithm there, with no trip through the event loop per token.
+Constraints come from `genlm_vlm.smc`: `Regex`, `JSONSchema`, `Grammar` (EBNF or Lark), or your
+own `TokenMask`. Here the model's EOS token ends a text, so the full stop is part of the regex.
+`in_engine=False` runs the same algorithm per token in Python: with the same seed the two runs are
+byte-identical.""",
+    ),
+    (
+        "code",
+        "smc-engine",
+        ("deterministic",),
+        """\
+from genlm_vlm.smc import Regex
+
+run = await lm.smc(start, Regex(r"( [a-z]+){3,6}\\."), n_particles=16, max_tokens=24, seed=0)
+ref = await lm.smc(start, Regex(r"( [a-z]+){3,6}\\."), n_particles=16, max_tokens=24, seed=0, in_engine=False)
+
+print(f"estimated log P(constraint) = {run.log_marginal:.2f}; "
+      f"{run.stats['finished']} of 16 finished, resampled {len(run.resampled_at)} times")
+print("same particles and weights in Python:", [p.log_weight for p in run.particles] == [p.log_weight for p in ref.particles])
+for text, p in sorted(run.decoded_posterior.items(), key=lambda kv: -kv[1])[:5]:
+    print(f"  {p:.3f}  {'the' + text!r}")""",
     ),
     (
         "markdown",

@@ -134,6 +134,12 @@ def _check_results(out: dict[str, str]) -> None:
         assert SMC_TEXT.fullmatch(text), text
     assert math.isclose(sum(p for p, _ in posterior), 1.0, abs_tol=0.01), smc
 
+    engine = out["smc-engine"]
+    assert "same particles and weights in Python: True" in engine, engine
+    assert _number_after(engine, "estimated log P(constraint) =") < 0
+    texts = [ast.literal_eval(t) for t in re.findall(r"^\s+\d\.\d+\s+(['\"].*['\"])$", engine, re.M)]
+    assert texts and all(SMC_TEXT.fullmatch(t) for t in texts), engine
+
     assert "adapters: ['fox']" in out["lora-train"]
     assert _number_after(out["lora-train"], "training loss after 60 steps:") < 1.0
 

@@ -85,7 +85,7 @@ class Burst:
         self.tickets = []
         self.jobs = jobs = []
         for ids in dict.fromkeys(self.want):
-            job = Job("logprobs", ids, self.job.lora, [])
+            job = Job("logprobs", ids, self.job.lora, [], on_device=True)
             t = Ticket(self._on_rows, ids, self._ticket_cancelled)
             t.job = job
             job.waiters.append(t)

@@ -120,6 +120,9 @@ class Job:
     """``(parent request id, shared tokens)`` when the request was sent as a fork."""
     out: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    on_device: bool = False
+    """Deliver the row where the engine made it, not on ``output_device`` (a burst's row, read on
+    the engine thread), unless another waiter joined the job."""
 
     def __post_init__(self) -> None:
         self.adapter = adapter_key(self.lora)

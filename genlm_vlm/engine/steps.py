@@ -388,12 +388,17 @@ class StepLoop(SessionEviction):
         the first waiter, copies to the others)."""
         device = self.output_device
         if device is not None and rows[0][1].device != device:
-            try:
-                moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
-                rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
-            except Exception:  # noqa: BLE001 - e.g. out of memory: row by row, a failure fails its job alone
-                each = [(job, self._guarded(job, f"moving its row to {device}", r.to, device)) for job, r in rows]
-                rows = [(job, r) for job, r in each if r is not None]
+            stay = [(job, r) for job, r in rows if job.on_device and len(job.waiters) == 1]
+            if stay:  # a burst's rows stay where the engine made them
+                rows = [(job, r) for job, r in rows if not (job.on_device and len(job.waiters) == 1)]
+            if rows:
+                try:
+                    moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
+                    rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
+                except Exception:  # noqa: BLE001 - e.g. out of memory: row by row, a failure fails its job alone
+                    each = [(job, self._guarded(job, f"moving its row to {device}", r.to, device)) for job, r in rows]
+                    rows = [(job, r) for job, r in each if r is not None]
+            rows += stay
         self._counts["rows"] += len(rows)
         for job, row in rows:
             if len(job.waiters) > 1:
