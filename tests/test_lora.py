@@ -260,3 +260,17 @@ def test_the_scheduler_never_shares_a_tail_across_adapters(lora_lm, adapters, mo
     assert after.get("adapter", 0) - before.get("adapter", 0) == 1
     ref = hf_reference_logprobs(model_paths["llama"], [parent + [9]], lora_path=adapters["b"])
     assert max_abs_diff([row], ref) < 1e-4
+
+
+def test_smc_under_an_adapter_in_the_engine_equals_the_reference(lora_lm):
+    from genlm_vlm.smc import Regex
+
+    prompt = [5, 9, 17, 33, 40]
+    args = dict(seed=4, ess_threshold=0.9)
+    weights = {}
+    for name in ("a", None):
+        eng = lora_lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, lora_name=name, **args)
+        ref = lora_lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, lora_name=name, in_engine=False, **args)
+        assert [(p.token_ids, p.log_weight) for p in eng.particles] == [(p.token_ids, p.log_weight) for p in ref.particles]
+        weights[name] = [p.log_weight for p in eng.particles]
+    assert weights["a"] != weights[None]  # the adapter's rows, not the base model's
