@@ -90,7 +90,7 @@ def _line(text: str, prefix: str) -> str:
 
 
 def _number_after(text: str, prefix: str) -> float:
-    return float(_line(text, prefix)[len(prefix) :].split()[0])
+    return float(_line(text, prefix)[len(prefix) :].split()[0].rstrip(";,"))
 
 
 def _check_results(out: dict[str, str]) -> None:
