@@ -16,9 +16,10 @@ a particle is still live, the particles are resampled (``"multinomial"``, ``"str
 (``log Z``, the probability that a sequence from the model satisfies the constraint) stays
 unbiased in ``Z``.
 
-The arithmetic is numpy ``float64`` on one thread, over the allowed tokens only: the result
-depends on the rows, the constraint and the seed, nothing else (not on the thread, the batch, or
-whether the run is in the engine or in Python).
+The arithmetic is numpy ``float64`` on one thread (all rows at once over the full width when
+they are few and narrow, else each row over its allowed tokens): the result depends on the rows,
+the constraint and the seed, nothing else (not on the thread, the batch, or whether the run is in
+the engine or in Python).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from .constraints import BoundConstraint
 from .controller import Controller, Decision, Tokens
 
 RESAMPLING = ("multinomial", "stratified", "systematic")
+#: Up to this many row entries (particles x width) a step's rows are handled together over the full
+#: width; above it each row over its allowed tokens only (sparse masks of large vocabularies).
+DENSE_LIMIT = 1 << 21
+#: Tokens per block in a dense step's search for the drawn token.
+BLOCK = 256
 
 
 @dataclass
@@ -172,38 +178,87 @@ class SMCController(Controller):
             rows = rows.cpu()
         values = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
         masks = self.constraint.masks([self.states[i] for i in particles])
-        out: list[int | None] = []
-        for k, i in enumerate(particles):
-            out.append(self._advance(i, values[k], masks[k]))
+        if values.shape[0] * values.shape[1] <= DENSE_LIMIT:
+            proposals = self._propose_dense(values, masks)
+        else:
+            proposals = [self._propose_one(values[k], masks[k]) for k in range(len(particles))]
+        out = [self._apply(i, prop) for i, prop in zip(particles, proposals, strict=True)]
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         return Decision(out, parents)
 
-    def _advance(self, i: int, row: np.ndarray, mask: np.ndarray) -> int | None:
+    def _propose_dense(self, values: np.ndarray, masks: np.ndarray) -> list[tuple[int, float] | None]:
+        """Every row at once over the full width (small ``m x V``): ``(token, log weight
+        increment)`` per row, None where the mask keeps no probability.
+
+        One ``float32 [m, V']`` buffer (``V'``: ``V`` rounded up to whole blocks of
+        :data:`BLOCK`): mask, max, shift, exp in place, then float64 sums per block; a draw finds
+        its block from the blocks' cumulative sums and its token inside the block."""
+        m, width = values.shape
+        padded = -(-width // BLOCK) * BLOCK
+        x = np.full((m, padded), -np.inf, dtype=np.float32)
+        np.copyto(x[:, :width], values, where=masks)
+        top = x.max(axis=1).astype(np.float64)
+        alive = np.isfinite(top)
+        t = self.temperature
+        if t < 1e-5:  # greedy: the proposal is a point mass
+            j = x.argmax(axis=1)
+            return [(int(j[k]), float(x[k, j[k]])) if alive[k] else None for k in range(m)]
+        ztop = np.where(alive, top if t == 1.0 else top / t, 0.0)
+        if t != 1.0:
+            x /= np.float32(t)
+        x -= ztop.astype(np.float32)[:, None]
+        np.exp(x, out=x)  # e = exp(z - ztop): 0 outside the mask
+        cum = np.cumsum(x.reshape(m, padded // BLOCK, BLOCK).sum(axis=2, dtype=np.float64), axis=1)
+        u = self.rng.random(int(alive.sum()))
+        out: list[tuple[int, float] | None] = []
+        n = 0
+        for k in range(m):
+            if not alive[k]:
+                out.append(None)
+                continue
+            tot = float(cum[k, -1])
+            target = u[n] * tot
+            n += 1
+            b = int(np.searchsorted(cum[k], target, side="right"))  # its block has mass: target < tot
+            inside = x[k, b * BLOCK:(b + 1) * BLOCK]
+            rest = target - (float(cum[k, b - 1]) if b else 0.0)
+            i = min(int(np.searchsorted(np.cumsum(inside, dtype=np.float64), rest, side="right")), BLOCK - 1)
+            if inside[i] == 0.0:  # round-off past the block's last allowed token
+                i = int(np.flatnonzero(inside[: i + 1])[-1])
+            j = b * BLOCK + i
+            if t == 1.0:
+                incr = float(ztop[k]) + math.log(tot)
+            else:  # row[x] - log q(x), with log q(x) = log e[x] - log total
+                incr = float(values[k, j]) - (math.log(float(x[k, j])) - math.log(tot))
+            out.append((j, incr))
+        return out
+
+    def _propose_one(self, row: np.ndarray, mask: np.ndarray) -> tuple[int, float] | None:
+        """One row over its allowed tokens only (large ``m x V``): as :meth:`_propose_dense`."""
         allowed = np.flatnonzero(mask)
-        vals = row[allowed].astype(np.float64) if allowed.size else np.empty(0)
+        vals = row[allowed].astype(np.float64)
         top = float(vals.max()) if vals.size else -math.inf
         if not math.isfinite(top):
+            return None
+        t = self.temperature
+        if t < 1e-5:
+            j = int(np.argmax(vals))
+            return int(allowed[j]), float(vals[j])
+        z, ztop = (vals, top) if t == 1.0 else (vals / t, top / t)
+        cdf = np.cumsum(np.exp(z - ztop))
+        total = float(cdf[-1])
+        j = min(int(np.searchsorted(cdf, self.rng.random() * total, side="right")), len(cdf) - 1)
+        incr = ztop + math.log(total) if t == 1.0 else float(vals[j]) - (float(z[j]) - ztop - math.log(total))
+        return int(allowed[j]), incr
+
+    def _apply(self, i: int, proposal: tuple[int, float] | None) -> int | None:
+        """Particle ``i`` takes its proposed token (or dies); returns what the runner feeds it."""
+        if proposal is None:
             self.log_w[i] = -math.inf
             self.status[i] = "dead"
             return None
-        t = self.temperature
-        if t == 1.0:
-            e = np.exp(vals - top)
-            cdf = np.cumsum(e)
-            j = self._draw(cdf)
-            incr = top + math.log(float(cdf[-1]))  # log_mass
-        elif t < 1e-5:  # greedy: the proposal is a point mass
-            j = int(np.argmax(vals))
-            incr = float(vals[j])
-        else:
-            scaled = vals / t
-            stop = float(scaled.max())
-            cdf = np.cumsum(np.exp(scaled - stop))
-            j = self._draw(cdf)
-            log_q = float(scaled[j]) - stop - math.log(float(cdf[-1]))
-            incr = float(vals[j]) - log_q
-        token = int(allowed[j])
+        token, incr = proposal
         self.log_w[i] += incr
         if token in self.eos:
             self.status[i] = "finished"
@@ -214,10 +269,6 @@ class SMCController(Controller):
             self.status[i] = "cut"
             return None
         return token
-
-    def _draw(self, cdf: np.ndarray) -> int:
-        u = self.rng.random() * float(cdf[-1])
-        return min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
 
     def _maybe_resample(self) -> list[int] | None:
         lw = self.log_w
