@@ -304,13 +304,13 @@ class StepLoop(SessionEviction):
         for job in jobs:
             self._guarded(job, "failing it after a failed step", self._end_job, job, None, exc, True)
         self._cache_suspect = True
-        self._restore_prefix_cache()
+        self._restore_prefix_cache(first=True)
         self._outbox.flush()
 
-    def _restore_prefix_cache(self) -> None:
+    def _restore_prefix_cache(self, first: bool = False) -> None:
         """Release every idle session and reset the engine's prefix cache (after a failed
-        step); if the engine cannot, say so (log, ``stats()["faults"]``) and leave the cache
-        marked suspect, so the loop tries again before it admits new work."""
+        step); if the engine cannot, say so (a warning the ``first`` time, ``stats()["faults"]``)
+        and leave the cache marked suspect, so the loop tries again before it admits new work."""
         self._faults["sessions_dropped"] += self.evict_all_idle()
         reset = getattr(self.core, "reset_prefix_cache", None)
         try:
@@ -319,11 +319,14 @@ class StepLoop(SessionEviction):
             logger.warning("resetting the prefix cache raised", exc_info=True)
             done = False
         if done:
+            if not first:
+                logger.info("the prefix cache was reset at last, after a failed engine step")
             self._cache_suspect = False
             self._faults["prefix_cache_resets"] += 1
             return
         self._faults["prefix_cache_reset_failures"] += 1
-        logger.warning(
+        say = logger.warning if first else logger.debug  # retries are counted in stats, not logged
+        say(
             "after a failed engine step vLLM could not reset its prefix cache (%d request(s) in the engine); "
             "rows that share a prefix with that step's prompts may be wrong until it can: trying again before "
             "new work is admitted", len(self._by_rid),
