@@ -620,7 +620,7 @@ async def test_fuzz_faults_inside_the_forward_pass(own_lm, model_paths):
             *(b + [rng.randrange(3, V)] for b in picked),  # siblings of those chunks: forks
         ]
         sp, sc = random_prompts(2, V, 10, 40, seed=2950 + round_)
-        fault = ForwardFault(lm, rng.choice([RuntimeError, torch.OutOfMemoryError]), at=rng.randrange(4))
+        fault = ForwardFault(lm, rng.choice([RuntimeError, torch.OutOfMemoryError]), at=rng.choice([0, 0, 1, 3]))
         with fault:
             out = await asyncio.gather(
                 *(lm.next_token_logprobs(q) for q in queries), lm.continuation_logprobs(sp, sc),
@@ -646,7 +646,7 @@ async def test_fuzz_faults_inside_the_forward_pass(own_lm, model_paths):
         scored.append((sp, sc, await lm.continuation_logprobs(sp, sc)))
         assert await lm.sample(prompt, 3, [], seed=7) == expected
         bases = rng.sample(queries, 4)  # their sessions are idle now
-    assert fired >= 3 and lm.stats["faults"]["failed_steps"] == faults_before + fired
+    assert fired >= 2 and lm.stats["faults"]["failed_steps"] == faults_before + fired
     _check_rows(path, all_prompts, all_rows)
     for sp, sc, got in scored:
         refs = hf_reference_logprobs(path, [sp + sc[:t] for t in range(len(sc))])
