@@ -41,8 +41,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from . import logs as _logs
 from ._lazy import lazy_attributes
 from ._version import __version__
+
+# torch's C++ warnings (vLLM's CPU worker makes torch print a NUMA-binding notice for every
+# engine) obey only TORCH_CPP_LOG_LEVEL, read once when torch is imported: set it now, before
+# anything imports torch, unless the user set it or asked for vLLM's log (genlm_vlm.logs).
+_logs.quiet_torch_cpp_log()
 
 if TYPE_CHECKING:
     from ._paths import demo_model_path

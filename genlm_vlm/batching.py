@@ -42,7 +42,9 @@ class _Entry:
     key: Hashable  # key in the pending / in-flight dicts (a unique object() if dedupe=False)
     cache_key: Hashable | None  # key for the output cache (None = not cached)
     request: Any
-    waiters: set[asyncio.Future] = field(default_factory=set)
+    # Insertion-ordered (a dict used as an ordered set): awaiters are resolved, and so resume,
+    # in the order they were made.
+    waiters: dict[asyncio.Future, None] = field(default_factory=dict)
     handle: Any = None  # the engine's future or ticket, once dispatched (has .cancel())
     owner: asyncio.Future | None = None  # the awaiter that takes the value itself (no copy)
     asks: int = 1  # submits that wanted this computation (joins included): the cache's admission
@@ -232,10 +234,10 @@ class AutoBatcher(Generic[R, V]):
             self._counts["dedup_joins"] += 1
             entry = found
             entry.asks += 1
-            entry.waiters.add(fut)
+            entry.waiters[fut] = None
         else:
             entry = _Entry(key=key if self.dedupe else object(), cache_key=key,
-                           request=request, waiters={fut})
+                           request=request, waiters={fut: None})
             self._pending[entry.key] = entry
             self._schedule()
         return None, entry, fut
@@ -246,7 +248,7 @@ class AutoBatcher(Generic[R, V]):
             fut.cancel()
         elif not fut.cancelled():
             fut.exception()  # mark as retrieved: no "exception never retrieved" log
-        entry.waiters.discard(fut)
+        entry.waiters.pop(fut, None)
         if entry.owner is fut:
             entry.owner = None  # the entry must not keep the value alive
         if entry.live():

@@ -66,15 +66,22 @@ class CaptureSink:
         On CPU each row is computed into its own compact tensor (measured 4x faster than one
         batched op for 256 x 32k rows, which page-faults on its large allocation). On an
         accelerator one batched kernel runs and the stored rows are views of its output.
+
+        vLLM runs the model (and so this) under ``torch.inference_mode``, where every new
+        tensor is an *inference tensor*: outside that mode it refuses in-place edits and
+        autograd. The rows are therefore made with inference mode off (reading the inference
+        logits is allowed): each row is an ordinary tensor from the start, and the caller gets
+        a tensor it can edit (``row[mask] = -inf``) without a second copy.
         """
-        if logits.device.type == "cpu":
-            for tag, r in zip(tags, rows, strict=True):
-                self.rows[tag] = torch.log_softmax(logits[r].to(torch.float32), dim=-1)
-        else:
-            index = torch.as_tensor(rows, device=logits.device, dtype=torch.long)
-            logprobs = torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
-            for tag, row in zip(tags, logprobs, strict=True):
-                self.rows[tag] = row
+        with torch.inference_mode(False):
+            if logits.device.type == "cpu":
+                for tag, r in zip(tags, rows, strict=True):
+                    self.rows[tag] = torch.log_softmax(logits[r].to(torch.float32), dim=-1)
+            else:
+                index = torch.as_tensor(rows, device=logits.device, dtype=torch.long)
+                logprobs = torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
+                for tag, row in zip(tags, logprobs, strict=True):
+                    self.rows[tag] = row
         self.apply_calls += 1
         self.rows_captured += len(tags)
 

@@ -17,8 +17,9 @@ Choosing the verbosity, most specific first:
 
 torch's C++ warnings (vLLM's CPU worker makes torch print ``Warning: NUMA binding: Using MEMBIND
 policy ...`` for every engine) obey only ``TORCH_CPP_LOG_LEVEL``, which torch reads once, when it
-is first imported. The command-line tools call :func:`quiet_torch_cpp_log` before that; from
-Python, set ``TORCH_CPP_LOG_LEVEL=ERROR`` in the environment to hide them.
+is first imported. ``import genlm_vlm`` and the command-line tools call :func:`quiet_torch_cpp_log`
+before that; a program that imports torch before genlm_vlm must set ``TORCH_CPP_LOG_LEVEL=ERROR``
+in the environment itself to hide them.
 
 The setting is applied when an engine is built (:func:`configure_vllm_logging`, called by
 :func:`genlm_vlm.engine.build.build_llm` just before vLLM is imported), and at once by
@@ -174,8 +175,8 @@ def quiet_torch_cpp_log() -> bool:
     """Hide torch's C++ warnings while vLLM's log is quiet: sets ``TORCH_CPP_LOG_LEVEL=ERROR``
     unless the user set that variable, vLLM's log shows warnings (:func:`vllm_log_level`), or
     torch is already imported (torch reads the variable only then; setting it later would do
-    nothing). Returns whether it set the variable. For entry points (the ``python -m genlm_vlm``
-    commands), before anything imports torch.
+    nothing). Returns whether it set the variable. Called by ``import genlm_vlm`` and by the
+    ``python -m genlm_vlm`` commands, before anything imports torch.
     """
     if "torch" in sys.modules or os.environ.get(_TORCH_CPP_VAR) or vllm_log_level() <= logging.WARNING:
         return False

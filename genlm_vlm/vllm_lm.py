@@ -499,7 +499,8 @@ class AsyncVirtualLM(ServingLM):
         same call ``dedup_joins``, by the engine ``computed``, and ``engine_calls`` made, a chunk
         retried after out-of-memory counting again), ``cache`` (output cache),
         ``capture_apply_calls``, ``prefix_cache`` (token ``queries`` and ``hits``; None unless
-        ``disable_log_stats=False``).
+        ``disable_log_stats=False``), ``faults`` (engine steps that raised, the requests and
+        sessions they cost, and the prefix-cache resets after them; see docs/API.md).
         """
         with self._sync_lock:
             sync = dict(self._sync_stats)

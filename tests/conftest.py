@@ -177,3 +177,29 @@ def driver_calls(monkeypatch):
 
     monkeypatch.setattr(vllm_lm, "EngineDriver", record)
     return calls
+
+
+class ForwardFault:
+    """While active, decoder layer 1 of ``lm``'s model raises ``exc_type`` in its ``at``-th
+    forward pass (0: the next one), once. Reads vLLM internals (in-process engine)."""
+
+    def __init__(self, lm, exc_type: type[BaseException] = RuntimeError, at: int = 0) -> None:
+        core = lm._driver.llm.llm_engine.engine_core.engine_core
+        self.layer = core.model_executor.driver_worker.worker.model_runner.model.model.layers[1]
+        self.exc_type, self.at, self.calls, self.fired = exc_type, at, 0, 0
+
+    def __enter__(self) -> ForwardFault:
+        real = type(self.layer).forward.__get__(self.layer)
+
+        def forward(*args, **kwargs):
+            n, self.calls = self.calls, self.calls + 1
+            if n == self.at:
+                self.fired += 1
+                raise self.exc_type("injected fault inside the forward pass")
+            return real(*args, **kwargs)
+
+        self.layer.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.layer.forward

@@ -6,7 +6,8 @@ requests parked after their chunk, so the next ``add_rows`` with the same id con
 and writes a deterministic row for the request's whole token sequence into its sink. Parked sessions hold their slots, as in vLLM: at most ``max_num_seqs`` minus the parked ones
 run in a step. Knobs:
 ``kv`` (what ``kv_usage`` reports), ``stall`` (steps schedule nothing), ``fail_next`` (the next
-step raises it), ``gate`` (a semaphore each step acquires: the test releases steps one by one),
+step raises it), ``refuse_reset`` (``reset_prefix_cache`` fails; counted in ``resets`` and
+``reset_refusals``), ``gate`` (a semaphore each step acquires: the test releases steps one by one),
 ``forks`` (whether it takes fork markers: a fork whose parent is alive and holds the shared
 tokens reports them as cached, like vLLM's ``prefill_stats``). No vLLM, no sleeps.
 
@@ -122,6 +123,8 @@ class FakeCore:
         self.kv = 0.0
         self.stall = False
         self.fail_next: BaseException | None = None
+        self.refuse_reset = False
+        self.resets = self.reset_refusals = 0
         self.gate = threading.Semaphore(0) if gated else None
         # records (read by tests after the engine thread wrote them; guarded by `changed`)
         self.requests: list[tuple[str, tuple[int, ...], str | None, bool]] = []
@@ -310,6 +313,16 @@ class FakeCore:
 
     def kv_usage(self) -> float:
         return self.kv
+
+    def reset_prefix_cache(self) -> bool:
+        """Like vLLM's: only when no request holds blocks (running or parked); ``refuse_reset``
+        makes it refuse all the same."""
+        if self.refuse_reset or self._running or self._parked:
+            self.reset_refusals += 1
+            return False
+        self.cached.clear()
+        self.resets += 1
+        return True
 
     def add_lora(self, lora: Any) -> None:
         pass

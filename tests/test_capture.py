@@ -102,3 +102,18 @@ def test_v2_is_a_vllm_v2_processor():
 def test_capture_outside_genlm_engine_gets_private_sink():
     cap = GlobalLogprobsCapture(None, torch.device("cpu"), False)
     assert isinstance(cap.sink, CaptureSink) and cap.sink.instances == [cap]
+
+
+def test_rows_made_under_inference_mode_are_ordinary_tensors():
+    """vLLM runs the capture under torch.inference_mode; the stored rows must still be tensors a
+    caller can edit in place and differentiate (issue 29), on the CPU branch and the batched
+    accelerator branch (exercised here on the meta device)."""
+    for device in ("cpu", "meta"):
+        sink = CaptureSink()
+        with torch.inference_mode():
+            sink.store(["a", "b"], torch.randn(3, 11, device=device), [0, 2])
+        for tag in ("a", "b"):
+            row = sink.pop(tag)
+            assert row is not None and not row.is_inference(), device
+            row[0] = -float("inf")
+            row.requires_grad_()

@@ -27,6 +27,7 @@ import collections
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -35,7 +36,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ENGINE_OPTS, max_abs_diff
+from conftest import ENGINE_OPTS, ForwardFault, max_abs_diff
 from fake_core import FakeCore, fake_row
 
 from genlm_vlm.engine import EngineDriver, SampleSpec
@@ -589,6 +590,69 @@ async def test_fuzz_one_bad_caller_never_costs_the_others(own_lm, model_paths):
         all_rows += rows
     _check_rows(model_paths["llama"], all_prompts, all_rows)
     assert lm._driver.failure is None
+
+
+# ================================================================ fuzz: faults inside the forward pass
+@pytest.mark.filterwarnings("ignore::genlm_vlm.base.ContextLimitWarning")
+async def test_fuzz_faults_inside_the_forward_pass(own_lm, model_paths):
+    """Issue 29: a decoder layer raises (RuntimeError, or torch's out-of-memory error) at a random
+    forward pass of a random mix of calls (new prompts, session chunks, forks, scoring, seeded and
+    unseeded samples). Only calls of the failed step fail, with that error; every row and score
+    returned, then and afterwards (the same queries again), is exact, seeded samples are
+    reproducible, and the engine loop never stops."""
+    from genlm_vlm.testing import hf_reference_logprobs, random_prompts
+
+    lm, path = own_lm, model_paths["llama"]
+    V = lm.vocab_size
+    rng = random.Random(2920)
+    prompt = [5, 9, 17, 33]
+    expected = await lm.sample(prompt, 3, [], seed=7)
+    bases = random_prompts(4, V, 30, 90, seed=2921)
+    await asyncio.gather(*(lm.next_token_logprobs(b) for b in bases))  # idle sessions
+    faults_before = lm.stats["faults"]["failed_steps"]
+    fired = 0
+    all_prompts, all_rows, scored = [], [], []
+    for round_ in range(6):
+        picked = rng.sample(bases, 2)
+        queries = [
+            *random_prompts(3, V, 20, 120, seed=2930 + round_),  # new prompts (chunked prefill too)
+            *(b + random_prompts(1, V, 1, 12, seed=2940 + round_ + i)[0] for i, b in enumerate(picked)),  # chunks
+            *(b + [rng.randrange(3, V)] for b in picked),  # siblings of those chunks: forks
+        ]
+        sp, sc = random_prompts(2, V, 10, 40, seed=2950 + round_)
+        fault = ForwardFault(lm, rng.choice([RuntimeError, torch.OutOfMemoryError]), at=rng.choice([0, 0, 1, 3]))
+        with fault:
+            out = await asyncio.gather(
+                *(lm.next_token_logprobs(q) for q in queries), lm.continuation_logprobs(sp, sc),
+                lm.sample(prompt, 3, [], seed=7), lm.sample(prompt, 3, [], temperature=1.0),
+                return_exceptions=True,
+            )
+        fired += fault.fired
+        for o in out:
+            if isinstance(o, BaseException):
+                assert fault.fired and "injected fault" in str(o), (round_, o)
+        for q, o in zip(queries, out, strict=False):
+            if not isinstance(o, BaseException):
+                all_prompts.append(q)
+                all_rows.append(o)
+        if not isinstance(out[len(queries)], BaseException):
+            scored.append((sp, sc, out[len(queries)]))
+        if not isinstance(out[len(queries) + 1], BaseException):
+            assert out[len(queries) + 1] == expected, round_
+        # afterwards: the same calls all served, exactly
+        again = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
+        all_prompts += queries
+        all_rows += again
+        scored.append((sp, sc, await lm.continuation_logprobs(sp, sc)))
+        assert await lm.sample(prompt, 3, [], seed=7) == expected
+        bases = rng.sample(queries, 4)  # their sessions are idle now
+    assert fired >= 2 and lm.stats["faults"]["failed_steps"] == faults_before + fired
+    _check_rows(path, all_prompts, all_rows)
+    for sp, sc, got in scored:
+        refs = hf_reference_logprobs(path, [sp + sc[:t] for t in range(len(sc))])
+        want = torch.stack([r[c] for r, c in zip(refs, sc, strict=True)])
+        assert float((got - want).abs().max()) < 1e-4
+    assert lm._driver.failure is None and not lm.stats["faults"]["prefix_cache_suspect"]
 
 
 # ================================================================ 1. on a Ray pool

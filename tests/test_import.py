@@ -179,3 +179,21 @@ def test_packaging_files_ship():
     license_text = (REPO / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "END OF TERMS AND CONDITIONS" in license_text
+
+
+@pytest.mark.parametrize(
+    ("setup", "env", "expected"),
+    [
+        ("", {}, "ERROR"),  # quiet by default: torch's NUMA notice is hidden (issue 29)
+        ("", {"TORCH_CPP_LOG_LEVEL": "INFO"}, "INFO"),  # the user's own choice stands
+        ("", {"GENLM_VLM_VERBOSE": "1"}, None),  # vLLM's full log asked for: torch's too
+        ("import torch\n", {}, None),  # too late to change: torch read it already
+    ],
+)
+def test_import_quiets_torchs_cpp_warnings_unless_told_otherwise(setup, env, expected):
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "GENLM_VLM_VERBOSE")}
+    code = f"{setup}import os, genlm_vlm\nprint(os.environ.get('TORCH_CPP_LOG_LEVEL'))\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**base, **env})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(expected)

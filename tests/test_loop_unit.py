@@ -176,6 +176,39 @@ def test_a_failing_step_fails_exactly_its_jobs_and_the_loop_goes_on(driver_core)
     assert torch.equal(rows(driver, (4,))[0], fake_row((4,), 64))
 
 
+def test_after_a_failing_step_idle_sessions_go_and_the_prefix_cache_is_reset(driver_core):
+    """Issue 29: a failed step's blocks may be cached as computed; the loop releases every
+    session and resets the cache before anything else is admitted, and says so in stats."""
+    driver, core = driver_core
+    rows(driver, (1, 2), (7, 8))  # two idle sessions
+    core.fail_next = RuntimeError("boom")
+    (f,) = driver.submit_logprobs([((1, 2, 3), None)])  # continues one of them
+    with pytest.raises(RuntimeError, match="boom"):
+        f.result(timeout=10)
+    assert torch.equal(rows(driver, (7, 8, 9))[0], fake_row((7, 8, 9), 64))
+    stats = driver.stats()
+    assert stats["faults"] == {"failed_steps": 1, "requests_failed": 1, "sessions_dropped": 2,
+                               "prefix_cache_resets": 1, "prefix_cache_reset_failures": 0,
+                               "prefix_cache_suspect": False}
+    assert core.resets == 1 and stats["sessions"]["opened"] == 3  # (7, 8, 9) could not continue
+
+
+def test_a_prefix_cache_reset_the_core_refuses_is_said_and_tried_again(driver_core, caplog):
+    driver, core = driver_core
+    core.refuse_reset = True
+    core.fail_next = RuntimeError("boom")
+    (f,) = driver.submit_logprobs([((1, 2), None)])
+    with pytest.raises(RuntimeError, match="boom"):
+        f.result(timeout=10)
+    faults = driver.stats()["faults"]
+    assert faults["prefix_cache_suspect"] and faults["prefix_cache_reset_failures"] >= 1
+    assert "could not reset its prefix cache" in caplog.text
+    core.refuse_reset = False
+    assert torch.equal(rows(driver, (4, 5))[0], fake_row((4, 5), 64))  # tried before this was admitted
+    faults = driver.stats()["faults"]
+    assert not faults["prefix_cache_suspect"] and faults["prefix_cache_resets"] == 1 == core.resets
+
+
 def test_a_request_the_core_refuses_fails_only_that_query(driver_core):
     driver, core = driver_core
     real = core.add_rows

@@ -196,6 +196,13 @@ async def test_rows_match_hf_sync_async_single_batched(pool, model_paths):
     r1, r2 = await asyncio.gather(pool.next_token_logprobs(prompts[0]), pool.next_token_logprobs(prompts[0]))
     r1.fill_(0.0)
     assert torch.isfinite(r2).all() and float(r2.abs().max()) > 0
+    # ordinary tensors, never inference tensors (issue 29), on every path through the pool
+    fresh = random_prompts(2, V, 5, 30, seed=102)
+    for row in [await pool.next_token_logprobs(fresh[0]), pool.next_token_logprobs_sync(fresh[1]),
+                *(await pool.batch_next_token_logprobs(prompts[:2])), r2]:
+        assert not row.is_inference()
+        row[0] = -float("inf")
+        row.requires_grad_()
 
 
 @pytest.mark.ray

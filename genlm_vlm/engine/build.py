@@ -324,7 +324,13 @@ def _add_tp_hint(error: BaseException) -> None:
 
 
 def make_lora_request(name: str, int_id: int, path: str) -> Any:
-    """A ``vllm.lora.request.LoRARequest`` (public vLLM API)."""
+    """A ``vllm.lora.request.LoRARequest`` (public vLLM API) for one registration of adapter
+    ``name`` under the never-reused ``int_id``.
+
+    vLLM keys an adapter request's prefix-cache blocks by the request's adapter *name* and path,
+    so the engine is given ``"<name>#<int_id>"``: unique per registration, so that an adapter
+    registered again under the same name (its files rewritten in place, or another path) never
+    reads KV computed with the earlier weights."""
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(name, int_id, path)
+    return LoRARequest(f"{name}#{int_id}", int_id, path)

@@ -17,6 +17,7 @@ Semi-internal handles used, each checked when the core is built (a missing one r
 * ``scheduler.get_kv_cache_usage()``, ``Scheduler._update_request_as_session`` (the sessions
   probe), ``EngineCoreRequest.resumable``,
 * ``llm.llm_engine.model_config`` / ``vllm_config`` (model facts), ``add_lora``/``remove_lora``,
+  ``LLM.reset_prefix_cache`` (public; after a failed step, see :mod:`.steps`),
 * ``EngineCoreRequest`` being a ``msgspec.Struct`` (row requests are copies of a template the
   input processor built once per adapter; if not, every request goes through
   ``process_inputs``),
@@ -105,6 +106,11 @@ class EngineCore(Protocol):
     def step(self) -> StepResult: ...
 
     def kv_usage(self) -> float: ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block of the engine's prefix cache; False when it could not (a request
+        still holds blocks). Optional: a core without it has no prefix cache to reset."""
+        ...
 
     def work(self) -> dict[str, Any] | None:
         """Counters of the engine's own work (``scheduled_tokens``, fork outcomes), or None."""
@@ -212,6 +218,7 @@ class VLLMCore:
             self._tasks = engine.get_supported_tasks()
             self._kv_usage = self._scheduler.get_kv_cache_usage
             self._add_lora = engine.add_lora
+            self._reset_prefix_cache = llm.reset_prefix_cache
             self._remove_lora = engine.remove_lora
             self.log_stats = bool(engine.log_stats)
             observability = engine.vllm_config.observability_config
@@ -414,6 +421,13 @@ class VLLMCore:
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use (cached-but-free blocks count as free)."""
         return float(self._kv_usage())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block of vLLM's prefix cache (``LLM.reset_prefix_cache``); True when it
+        was reset. vLLM resets it only when no request holds KV blocks (running, waiting with
+        blocks, or a parked session): otherwise it logs a warning and this returns False."""
+        done = self._reset_prefix_cache()
+        return done is None or bool(done)  # None: a vLLM that does not say (it raises on failure)
 
     def work(self) -> dict[str, Any] | None:
         """The fork scheduler's counters: ``scheduled_tokens`` (every token the engine computed),

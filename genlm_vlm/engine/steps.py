@@ -107,6 +107,10 @@ class StepLoop(SessionEviction):
         self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
         self._bursts: dict[int, Burst] = {}  # controller runs in progress, by id(job) (.bursts)
         self._burst_counts = {"started": 0, "finished": 0, "failed": 0, "cancelled": 0}
+        # Failed engine steps and what was dropped after them (see _after_failed_step).
+        self._faults = dict.fromkeys(("failed_steps", "requests_failed", "sessions_dropped",
+                                      "prefix_cache_resets", "prefix_cache_reset_failures"), 0)
+        self._cache_suspect = False  # a failed step's blocks may still be in the prefix cache
 
     def run(self) -> None:
         clock = time.perf_counter
@@ -118,6 +122,8 @@ class StepLoop(SessionEviction):
             if stop is not None:
                 self.stop(stop)
                 return
+            if self._cache_suspect and not self._by_rid:
+                self._restore_prefix_cache()  # vLLM refused after the failure: again, before new work
             self._admit()
             self._scoring.admit()
             if self._by_rid:
@@ -298,10 +304,7 @@ class StepLoop(SessionEviction):
             result = core.step()
         except Exception as e:  # noqa: BLE001 - fails this step's jobs only
             self._time["step"] += clock() - t0
-            logger.warning("engine step failed: %r; failing the %d request(s) in it", e, len(self._by_rid))
-            for job in list(self._by_rid.values()):
-                self._end_job(job, exc=e, abort=True)
-            self._outbox.flush()
+            self._after_failed_step(e)
             return
         self._time["step"] += clock() - t0
         self._counts["engine_steps"] += 1
@@ -312,6 +315,58 @@ class StepLoop(SessionEviction):
             self._stalls = 0
         self._route(result, core)
         self._outbox.flush()
+
+    def _after_failed_step(self, exc: Exception) -> None:
+        """``core.step()`` raised ``exc``: fail every job in the engine, then make sure nothing
+        the step may have cached is read as computed.
+
+        vLLM enters a request's full KV blocks in its prefix cache when it schedules them, before
+        the forward pass: after a forward that raised, those blocks stay cached, marked computed,
+        never written, and any later request sharing them reads garbage. vLLM offers no way to
+        drop exactly those blocks, so the whole prefix cache is reset; vLLM resets it only when
+        no request holds blocks, so every request in the engine is aborted (the jobs fail with
+        ``exc``: plain rows, session chunks, forks and their pins, scoring parts and warm-ups,
+        samples) and every idle session is released (its KV may share the suspect blocks).
+        Should vLLM refuse, it is tried again before new work is admitted
+        (:meth:`_restore_prefix_cache`).
+        """
+        faults = self._faults
+        jobs = list(self._by_rid.values())
+        logger.warning("engine step failed: %r; failing the %d request(s) in the engine, releasing the idle "
+                       "sessions and resetting the prefix cache", exc, len(jobs))
+        faults["failed_steps"] += 1
+        faults["requests_failed"] += len(jobs)
+        faults["sessions_dropped"] += len(self._table.live)
+        for job in jobs:
+            self._guarded(job, "failing it after a failed step", self._end_job, job, None, exc, True)
+        self._cache_suspect = True
+        self._restore_prefix_cache(first=True)
+        self._outbox.flush()
+
+    def _restore_prefix_cache(self, first: bool = False) -> None:
+        """Release every idle session and reset the engine's prefix cache (after a failed
+        step); if the engine cannot, say so (a warning the ``first`` time, ``stats()["faults"]``)
+        and leave the cache marked suspect, so the loop tries again before it admits new work."""
+        self._faults["sessions_dropped"] += self.evict_all_idle()
+        reset = getattr(self.core, "reset_prefix_cache", None)
+        try:
+            done = True if reset is None else reset()  # a core without one has no prefix cache
+        except Exception:  # noqa: BLE001 - counted and said below
+            logger.warning("resetting the prefix cache raised", exc_info=True)
+            done = False
+        if done:
+            if not first:
+                logger.info("the prefix cache was reset at last, after a failed engine step")
+            self._cache_suspect = False
+            self._faults["prefix_cache_resets"] += 1
+            return
+        self._faults["prefix_cache_reset_failures"] += 1
+        say = logger.warning if first else logger.debug  # retries are counted in stats, not logged
+        say(
+            "after a failed engine step vLLM could not reset its prefix cache (%d request(s) in the engine); "
+            "rows that share a prefix with that step's prompts may be wrong until it can: trying again before "
+            "new work is admitted", len(self._by_rid),
+        )
 
     def _route(self, result: StepResult, core: EngineCore) -> None:
         """Resolve the jobs whose requests finished in this step."""
@@ -455,6 +510,7 @@ class StepLoop(SessionEviction):
             "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
             "scoring": self._scoring.stats(),
             "bursts": dict(self._burst_counts, running=len(self._bursts)),
+            "faults": dict(self._faults, prefix_cache_suspect=self._cache_suspect),
         }
 
     # ---------------------------------------------------------------- job endings
