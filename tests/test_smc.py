@@ -322,3 +322,19 @@ async def test_cancel_frees_the_run(fresh_lm):
     assert s["bursts"]["cancelled"] == 1 and s["bursts"]["running"] == 0
     assert s["sessions"]["live"] == 0
     assert s["sessions"]["idle"] <= 1  # only the last call's own session
+
+
+def test_a_fault_inside_the_forward_fails_the_run_and_the_next_run_is_exact(fresh_lm):
+    from conftest import ForwardFault
+
+    lm = fresh_lm
+    prompt = _prompt(lm)
+    clean = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, seed=6, in_engine=False)
+    lm.clear_cache()
+    with ForwardFault(lm, at=3) as fault, pytest.raises(RuntimeError, match="injected fault"):
+        lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, seed=6)
+    assert fault.fired == 1
+    s = lm.stats
+    assert s["bursts"]["failed"] == 1 and s["faults"]["failed_steps"] == 1 and s["faults"]["prefix_cache_resets"] == 1
+    again = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, seed=6)
+    assert _fingerprint(again) == _fingerprint(clean)
