@@ -338,3 +338,38 @@ def test_a_fault_inside_the_forward_fails_the_run_and_the_next_run_is_exact(fres
     assert s["bursts"]["failed"] == 1 and s["faults"]["failed_steps"] == 1 and s["faults"]["prefix_cache_resets"] == 1
     again = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, seed=6)
     assert _fingerprint(again) == _fingerprint(clean)
+
+
+class _Greedy:
+    """A custom controller: particle i takes the (i+1)-th likeliest token for ``steps`` steps,
+    then the run stops; its result is what each particle was fed."""
+
+    def __init__(self, n: int, steps: int) -> None:
+        self.n_particles, self.steps, self.seen = n, steps, 0
+
+    def step(self, rows, particles):
+        self.seen += 1
+        order = rows.argsort(dim=1, descending=True)
+        tokens = [int(order[k, i]) for k, i in enumerate(particles)]
+        parents = list(range(self.n_particles))[::-1] if self.seen == 2 else None  # a reversal mid-run
+        return Decision(tokens, parents=parents, stop=self.seen >= self.steps)
+
+    def result(self, generated):
+        return [list(g) for g in generated]
+
+
+async def test_a_custom_controller_stops_and_continues(llama_lm):
+    from genlm_vlm.smc import Controller, drive
+
+    Controller.register(_Greedy)
+    lm = llama_lm
+    prompt = _prompt(lm)
+    whole = await lm.run_controller(prompt, _Greedy(4, 6))
+    assert whole == await drive(lm, prompt, _Greedy(4, 6))
+    first = await lm.run_controller(prompt, _Greedy(4, 3))
+    assert [len(g) for g in first] == [3] * 4
+    ctl = _Greedy(4, 6)
+    ctl.seen = 3  # steps 4 to 6 of the whole run
+    rest = await lm.run_controller(prompt, ctl, start=first)
+    assert rest == whole and all(len(g) == 6 for g in whole)
+    assert len({tuple(g) for g in whole}) == 4
