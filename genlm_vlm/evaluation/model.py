@@ -342,7 +342,8 @@ class GenlmVLMEval(TemplateLM):
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         max_gen_toks = int(kwargs.pop("max_gen_toks"))
         do_sample = kwargs.pop("do_sample", False)
-        temperature = float(kwargs.pop("temperature", 0.0)) if do_sample else 0.0
+        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+        temperature = temperature if do_sample else 0.0
         seed = kwargs.pop("seed", None)
         for key, value in kwargs.items():
             if value not in _NO_OP_GEN_KWARGS.get(key, ()):
