@@ -220,6 +220,19 @@ def test_requests_go_to_the_engine_together(llama_lm):
     assert after["warmups"] - before["warmups"] == 1
 
 
+def test_chat_template_is_applied(model_paths, tasks_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_paths["llama"])
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    model = GenlmVLMEval(MockAsyncLM(tok, max_model_len=512))
+    assert model.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi\n<assistant>"
+    out = _evaluate(model, tasks_dir, ["tiny_gen"], limit=2, apply_chat_template=True)
+    prompt = out["samples"]["tiny_gen"][0]["arguments"][0][0]
+    assert prompt.startswith("<user>") and prompt.endswith("<assistant>")
+
+
 # ---------------------------------------------------------------------------- the row path, errors
 def _mock(**kw) -> MockAsyncLM:
     return MockAsyncLM(max_model_len=64, **kw)
