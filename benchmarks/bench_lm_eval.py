@@ -20,8 +20,10 @@ build applied to both: ``block_size=32``, ``enforce_eager``, prefix caching on):
 Each timed run calls the backend's ``loglikelihood`` / ``loglikelihood_rolling`` on the whole
 workload (lm-eval's own harness work around those calls, the same for both, is not timed). Both
 engines' prefix caches are emptied before every run; one warm-up repetition on a tenth of the
-workload, then ``--reps`` alternating runs (ours first, then vllm first, ...); medians in
-seconds. ``check``: the largest difference of a request's log-likelihood (``mc``) and whether
+workload, then ``--reps`` alternating runs (ours first, then vllm first, ...); medians of the
+wall seconds and of the process's CPU seconds (``time.process_time``: both engines run in this
+process, so it is the work each system did, less sensitive than wall time to other work on the
+machine). ``check``: the largest difference of a request's log-likelihood (``mc``) and whether
 ``is_greedy`` agrees everywhere; for ``ppl`` the documents' log-likelihoods differ a little by
 design: lm-eval's vllm backend uses windows of ``max_length - 2`` tokens, ours (and lm-eval's
 ``hf`` backend) ``max_length``.
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         reqs = cells[name]
         systems = {"ours": ours, "vllm": theirs}
         times: dict[str, list[float]] = {s: [] for s in systems}
+        cpu: dict[str, list[float]] = {s: [] for s in systems}
         outs: dict[str, list[Any]] = {}
         order = list(systems.items())
         work: dict[str, int] = {}
@@ -144,17 +147,19 @@ def main(argv: list[str] | None = None) -> int:
             for system, model in order[rep % 2 :] + order[: rep % 2]:
                 fresh()
                 before = lm.stats
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = call(model, name, batch)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 if rep:
                     times[system].append(dt)
+                    cpu[system].append(dc)
                     outs[system] = out
                     if system == "ours":
                         after = lm.stats
                         work = {k: after["scoring"][k] - before["scoring"][k]
                                 for k in ("jobs", "requests", "tokens_computed", "tokens_cached")}
-                print(json.dumps({"workload": name, "rep": rep, "system": system, "s": round(dt, 3)}), flush=True)
+                print(json.dumps({"workload": name, "rep": rep, "system": system, "s": round(dt, 3),
+                                  "cpu_s": round(dc, 3)}), flush=True)
         tokens = 0
         if name == "mc":
             for r in reqs:
@@ -167,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         for system, ts in times.items():
             cell[system] = statistics.median(ts)
             cell[f"{system}_all"] = [round(t, 3) for t in ts]
+            cell[f"{system}_cpu"] = statistics.median(cpu[system])
+            cell[f"{system}_cpu_all"] = [round(t, 3) for t in cpu[system]]
         cell["ours/vllm"] = cell["vllm"] / cell["ours"]
+        cell["ours/vllm_cpu"] = cell["vllm_cpu"] / cell["ours_cpu"]
         if name == "mc":
             cell["check"] = max(abs(a[0] - b[0]) for a, b in zip(outs["ours"], outs["vllm"], strict=True))
             cell["greedy_agree"] = all(a[1] == b[1] for a, b in zip(outs["ours"], outs["vllm"], strict=True))
@@ -180,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"cells": results, "model": args.model, "engine_opts": ENGINE_OPTS,
                                "vocab": lm.vocab_size}, indent=1))
     print()
-    print(f"{'workload':<10}{'requests':>9}{'tokens':>9}{'vllm s':>9}{'ours s':>9}{'ours/vllm':>11}{'check':>10}")
+    print(f"{'workload':<10}{'requests':>9}{'tokens':>9}{'vllm s':>9}{'ours s':>9}{'ours/vllm':>11}"
+          f"{'vllm cpu':>10}{'ours cpu':>10}{'cpu ratio':>11}{'check':>10}")
     for c in results:
         print(f"{c['workload']:<10}{c['requests']:>9}{c['tokens']:>9}{c['vllm']:9.2f}{c['ours']:9.2f}"
-              f"{c['ours/vllm']:10.2f}x{c['check']:10.1e}")
+              f"{c['ours/vllm']:10.2f}x{c['vllm_cpu']:10.2f}{c['ours_cpu']:10.2f}{c['ours/vllm_cpu']:10.2f}x"
+              f"{c['check']:10.1e}")
     lm.cleanup()
     return 0
 

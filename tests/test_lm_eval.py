@@ -220,6 +220,26 @@ def test_requests_go_to_the_engine_together(llama_lm):
     assert after["warmups"] - before["warmups"] == 1
 
 
+def test_is_greedy_over_many_kv_blocks(llama_lm):
+    """is_greedy from vLLM's top-1 of every prompt row of every segment and from the captured
+    last row: a greedy continuation of 80 tokens (3 blocks) is greedy; one token changed (in the
+    first segment, a middle one, the last position) is not."""
+    model = GenlmVLMEval(llama_lm)
+    ctx = llama_lm.tokenizer.encode("def main(argv):\n    return")
+    cont = _wait(llama_lm.sample(ctx, max_tokens=80, eos_token_ids=[], temperature=0.0))
+    assert len(cont) == 80
+    items = [(ctx, list(cont))]
+    for t in (0, 50, 79):
+        bent = list(cont)
+        bent[t] = 3 + (cont[t] - 3 + 1) % (len(llama_lm.tokenizer) - 3)
+        items.append((ctx, bent))
+    out = model._score(items, True, "")
+    assert [g for _, g in out] == [True, False, False, False]
+    for (c, x), (ll, _) in zip(items, out, strict=True):
+        rows = llama_lm.batch_next_token_logprobs_sync([c + x[:t] for t in range(len(x))])
+        assert ll == pytest.approx(float(rows.gather(1, torch.tensor(x)[:, None]).double().sum()), abs=TOL)
+
+
 def test_chat_template_is_applied(model_paths, tasks_dir):
     from transformers import AutoTokenizer
 
