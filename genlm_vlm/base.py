@@ -280,11 +280,14 @@ class AsyncLM(ABC):
         when the rows must do it. Arguments are validated already."""
         return None
 
-    def _score_futures(self, items: Sequence[tuple[Any, ...]], method: str = "auto") -> list[Any] | None:
+    def _score_futures(
+        self, items: Sequence[tuple[Any, ...]], method: str = "auto", greedy: bool = False
+    ) -> list[Any] | None:
         """Blocking form of :meth:`_direct_scores` (hook): one ``concurrent.futures.Future``
         per ``(prompt, continuation, lora_name, top_k)`` (resolving to the same object, or
         failing for that item only), or None when the rows must do it. ``prompt`` and
-        ``continuation`` are validated token-id tuples."""
+        ``continuation`` are validated token-id tuples. ``greedy``: the results also say
+        whether every continuation token is its row's argmax (``greedy`` field)."""
         return None
 
     def _scored_sync(self, item: tuple[Any, ...], method: str) -> Any | None:

@@ -1,7 +1,8 @@
-"""Command line: ``python -m genlm_vlm {demo,score} ...``, and what the commands share.
+"""Command line: ``python -m genlm_vlm {demo,score,eval} ...``, and what the commands share.
 
 Each command lives in its own package with a ``main(argv) -> int`` function:
-``demo`` in :mod:`genlm_vlm.demo.cli`, ``score`` in :mod:`genlm_vlm.scoring.cli`. What they have
+``demo`` in :mod:`genlm_vlm.demo.cli`, ``score`` in :mod:`genlm_vlm.scoring.cli`, ``eval`` in
+:mod:`genlm_vlm.evaluation.cli`. What they have
 in common is here: ``--quiet`` / ``--verbose``, the ``--engine-opt KEY=VALUE`` parser, and the
 check of ``--model`` that runs before torch or vLLM is imported (so a wrong path costs
 milliseconds, not an engine start).
@@ -22,6 +23,10 @@ _COMMANDS = {
     "score": (
         "genlm_vlm.scoring.cli",
         "score a JSONL file: next-token top-k and/or log p(continuation | prompt)",
+    ),
+    "eval": (
+        "genlm_vlm.evaluation.cli",
+        "lm-evaluation-harness tasks on genlm_vlm (lm-eval's arguments; the `eval` extra)",
     ),
 }
 

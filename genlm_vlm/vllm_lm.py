@@ -272,7 +272,7 @@ class AsyncVirtualLM(ServingLM):
 
     def _start_scores(self, reqs: list[tuple[ScoreSpec, Adapter | None]], listener: Any = None,
                       payloads: Any = None) -> list[Any]:
-        return self._submit(reqs, lambda s, lora: ScoreSpec(s.prompt, s.continuation, s.top_k, lora),
+        return self._submit(reqs, lambda s, lora: ScoreSpec(s.prompt, s.continuation, s.top_k, lora, s.greedy),
                             self._driver.submit_scores, listener, payloads)
 
     # ------------------------------------------------------------------ scoring hooks (AsyncLM)
@@ -302,9 +302,10 @@ class AsyncVirtualLM(ServingLM):
         spec = ScoreSpec(prompt, continuation, top_k)
         return await self._score_batcher.submit((spec, adapter), (0 if adapter is None else adapter.int_id, spec))
 
-    def _score_futures(self, items: Any, method: str = "auto") -> list[Any] | None:
+    def _score_futures(self, items: Any, method: str = "auto", greedy: bool = False) -> list[Any] | None:
         """One future per ``(prompt, continuation, lora_name, top_k)``; an unknown adapter fails
-        its own item. None (rows) when the prompt-logprobs path is off or ``method="rows"``."""
+        its own item. None (rows) when the prompt-logprobs path is off or ``method="rows"``.
+        ``greedy``: each result also says whether the continuation is greedy (``ScoreResult.greedy``)."""
         self._check_open()
         if not self._driver.scoring.supported or method == "rows":
             self._score_route((), (), None, 0, method)  # counts why
@@ -322,7 +323,7 @@ class AsyncVirtualLM(ServingLM):
             if not self._score_route(prompt, cont, adapter, top_k, method):  # a cached row's top-k
                 handles[i] = _rows_topk(self, prompt, lora_name, top_k)
                 continue
-            ready.append((ScoreSpec(tuple(prompt), tuple(cont), top_k), adapter))
+            ready.append((ScoreSpec(tuple(prompt), tuple(cont), top_k, greedy=greedy), adapter))
             where.append(i)
         for i, handle in zip(where, self._start_scores(ready) if ready else (), strict=True):
             handles[i] = handle

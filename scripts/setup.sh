@@ -4,8 +4,8 @@
 #   bash scripts/setup.sh [demo|test|EXTRA ...]
 #
 #   demo (the default): the engine only, the `cpu` or `gpu` extra (what scripts/demo.sh needs);
-#   test: also the `test` extra (genlm-control, llamppl, pytest, ruff, ...) and the `ray` extra
-#         when pyproject.toml defines one (what scripts/test.sh needs);
+#   test: also the `test` extra (genlm-control, llamppl, pytest, ruff, ...) and the `ray` and
+#         `eval` extras when pyproject.toml defines them (what scripts/test.sh needs);
 #   any other word: that extra of pyproject.toml (e.g. `control`).
 #
 # Idempotent: a stamp in the venv records the target, the extras installed and a fingerprint of
@@ -38,7 +38,7 @@ has_extra() {
     END { exit !found }' pyproject.toml
 }
 
-# The extras a list of words stands for: demo -> none, test -> test (+ ray if defined), else
+# The extras a list of words stands for: demo -> none, test -> test (+ ray, eval if defined), else
 # the word itself (which must be an extra of pyproject.toml).
 expand() {
   local word
@@ -48,6 +48,7 @@ expand() {
       test)
         echo test
         if has_extra ray; then echo ray; fi
+        if has_extra eval; then echo eval; fi
         ;;
       *)
         if ! has_extra "$word"; then

@@ -415,7 +415,7 @@ def test_missing_model_fails_in_well_under_a_second(command, model, tmp_path) ->
 
 
 def test_cli_docstring_and_usage_name_the_real_commands() -> None:
-    assert set(cli._COMMANDS) == {"demo", "score"}
+    assert set(cli._COMMANDS) == {"demo", "score", "eval"}
     for name in cli._COMMANDS:
         assert f"``{name}``" in cli.__doc__ and f"  {name} " in cli._usage()
     assert "info" not in cli.__doc__ and "info" not in cli._usage()

@@ -82,13 +82,14 @@ HEAVY = ("torch", "vllm", "transformers")
     [
         (["demo", "--help"], 0),
         (["score", "--help"], 0),
+        (["eval", "--help"], 0),
         (["demo", "--no-such-option"], 2),  # argparse's error
         (["demo", "--particles", "0"], 2),  # demo's own option check
         (["score", "no-such-input.jsonl", "-"], 2),
         (["demo", "--model", "/no/such/dir"], 2),  # the path is checked before torch loads
         (["score", "-", "-", "--model", "./no-such-model"], 2),
     ],
-    ids=["demo-help", "score-help", "demo-bad-option", "demo-bad-value", "score-no-input", "demo-no-model", "score-no-model"],
+    ids=["demo-help", "score-help", "eval-help", "demo-bad-option", "demo-bad-value", "score-no-input", "demo-no-model", "score-no-model"],
 )
 def test_command_help_and_option_errors_do_not_import_torch(argv, code):
     """`COMMAND --help` and option errors answer without importing torch, vLLM or transformers
@@ -143,7 +144,7 @@ def test_package_docstring_lists_the_public_names_and_marks_the_rest_internal():
     internal = doc.split("Everything else is internal", 1)[1]
     package = REPO / "genlm_vlm"
     modules = {p.stem for p in package.glob("*.py")} | {p.parent.name for p in package.glob("*/__init__.py")}
-    public = {"__init__", "__main__", "vocab", "control", "logs", "testing", "scoring", "demo"}
+    public = {"__init__", "__main__", "vocab", "control", "logs", "testing", "scoring", "demo", "evaluation"}
     for name in sorted(modules - public):
         assert f"``{name}``" in internal, f"{name} is neither listed as public nor marked internal"
     for name in sorted(public - {"__init__", "__main__"}):

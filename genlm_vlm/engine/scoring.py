@@ -66,12 +66,15 @@ class ScoreSpec:
     """One scoring query: ``log p(c_t | prompt + c_<t)`` for each token of ``continuation``
     and, with ``top_k > 0``, the ``top_k`` most likely tokens after ``prompt``. ``lora``: a
     vLLM ``LoRARequest`` or None. Validated by the caller (ids in the vocabulary,
-    ``len(prompt) + len(continuation) <= max_model_len``, ``prompt`` non-empty)."""
+    ``len(prompt) + len(continuation) <= max_model_len``, ``prompt`` non-empty). ``greedy``:
+    also say whether every continuation token is the most likely one at its position (its
+    requests then ask vLLM for the top-1 of each prompt row: ``prompt_logprobs=1``)."""
 
     prompt: Tokens
     continuation: Tokens
     top_k: int = 0
     lora: Any = None
+    greedy: bool = False
 
 
 class ScoreResult(NamedTuple):
@@ -83,9 +86,12 @@ class ScoreResult(NamedTuple):
     top_ids: torch.Tensor | None = None
     #: float32 ``[top_k]``, non-increasing (None when ``top_k == 0``).
     top_logprobs: torch.Tensor | None = None
+    #: With ``ScoreSpec.greedy``: whether each continuation token is the argmax of its row
+    #: (lm-eval's ``is_greedy``); None otherwise.
+    greedy: bool | None = None
 
     def copy(self) -> ScoreResult:
-        return ScoreResult(*(None if t is None else t.clone() for t in self))
+        return ScoreResult(*(t.clone() if isinstance(t, torch.Tensor) else t for t in self))
 
 
 @dataclass(eq=False, slots=True)
@@ -120,6 +126,8 @@ class _Active:
     top: tuple[torch.Tensor, torch.Tensor] | None = None
     warm: Job | None = None
     """The warm-up this job's segments read (in flight when the job was admitted)."""
+    greedy: bool = True
+    """So far every continuation token read was its row's argmax (``ScoreSpec.greedy``)."""
 
 
 class ScoringQueue:
@@ -149,7 +157,7 @@ class ScoringQueue:
     def enqueue(self, job: Job) -> None:
         """A score job leaves the loop's queue: join an identical one, or wait here."""
         spec: ScoreSpec = job.spec
-        key = job.key = (job.adapter, spec.prompt, spec.continuation, spec.top_k)
+        key = job.key = (job.adapter, spec.prompt, spec.continuation, spec.top_k, spec.greedy)
         twin = self._by_key.get(key)
         if twin is not None:
             job.join(twin)
@@ -215,7 +223,8 @@ class ScoringQueue:
             parts.append(_Part(job, list(prompt), p - 1, values=False, tagged=True, top="row"))
         start = p - 1
         while True:
-            part = _Part(job, list(x[:end]), start, prompt_logprobs=0 if end - 1 > start else None, tagged=True)
+            rows = 1 if spec.greedy else 0  # the top-1 of each row says whether the token is greedy
+            part = _Part(job, list(x[:end]), start, prompt_logprobs=rows if end - 1 > start else None, tagged=True)
             if k and start == p - 1:
                 if end == p:
                     part.top = "row"
@@ -305,6 +314,9 @@ class ScoringQueue:
             if part.values and end - 1 > part.start:
                 fill = part.start + 1 - p
                 active.out[fill : fill + end - 1 - part.start] = tensors.logprobs[part.start : end - 1, 0]
+                if spec.greedy and active.greedy:  # column 0: the token read, column 1: the top-1
+                    ids = tensors.logprob_token_ids[part.start : end - 1]
+                    active.greedy = bool((ids[:, 1] == ids[:, 0]).all())
             if part.top == "prompt":
                 active.top = (tensors.logprob_token_ids[p - 1, 1 : k + 1].to(torch.int64).clone(),
                               tensors.logprobs[p - 1, 1 : k + 1].to(torch.float32).clone())
@@ -315,7 +327,10 @@ class ScoringQueue:
                     "is another logits processor or speculative decoding interfering?"
                 )
             if part.values:
-                active.out[end - p] = row[spec.continuation[end - p]]
+                token = spec.continuation[end - p]
+                active.out[end - p] = row[token]
+                if spec.greedy and active.greedy:
+                    active.greedy = int(torch.argmax(row)) == token
             if part.top == "row":
                 values, indices = torch.topk(row.float(), k)
                 active.top = (indices.cpu(), values.cpu())
@@ -331,7 +346,8 @@ class ScoringQueue:
         spec: ScoreSpec = job.spec
         self._counts["tokens_scored"] += len(spec.continuation)
         top = active.top or (None, None)
-        self._loop._outbox.resolve_each(job, ScoreResult(active.out, *top), ScoreResult.copy)
+        greedy = active.greedy if spec.greedy else None
+        self._loop._outbox.resolve_each(job, ScoreResult(active.out, *top, greedy), ScoreResult.copy)
 
     def _warm_done(self, part: _Part) -> None:
         self._warming.pop(part.warm_key, None)  # type: ignore[arg-type]
