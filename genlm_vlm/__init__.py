@@ -26,7 +26,9 @@ Public modules beyond these names: :mod:`genlm_vlm.vocab` (byte vocabularies of 
 much of vLLM's log is shown), :mod:`genlm_vlm.testing` (tiny local models for tests),
 :mod:`genlm_vlm.scoring` and :mod:`genlm_vlm.demo` (the ``score`` and ``demo`` commands of
 ``python -m genlm_vlm`` and their Python functions), :mod:`genlm_vlm.evaluation`
-(lm-evaluation-harness on these models and the ``eval`` command; the ``eval`` extra). Everything else is internal and may change
+(lm-evaluation-harness on these models and the ``eval`` command; the ``eval`` extra),
+:mod:`genlm_vlm.smc` (constrained SMC inside the engine: constraints, results, the controller
+seam). Everything else is internal and may change
 without notice: ``base``, ``checks``, ``serving``, ``vllm_lm``, ``mock``, ``batching``, ``cache``, ``capture``,
 ``rowring``, ``lora``, ``dedup``, ``_mailbox``, ``_lazy``, ``engine``, ``replicas``, ``cli``, ``_paths``,
 ``_genlm_compat``, ``_version``, and the submodules of the packages above (import the public names from the
