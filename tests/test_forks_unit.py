@@ -276,7 +276,7 @@ def test_the_fork_scheduler_appends_the_parents_tail_block(fork_scheduler):
         (lambda s, c: setattr(c, "cache_salt", "x"), "adapter"),
         (lambda s, c: setattr(c, "all_token_ids", [1, 2, 3, 4, 5, 7, 9]), "tokens"),
         (lambda s, c: setattr(c, "skip_reading_prefix_cache", True), "no_cache_read"),
-        (lambda s, c: setattr(s, "hit_blocks", 0), "hit_mismatch"),
+        (lambda s, c: s.kv_cache_manager.by_request.__setitem__("parent", [_Block(0)]), "hit_mismatch"),
         (lambda s, c: setattr(s, "connector", object()), "disabled"),
     ],
 )
@@ -291,6 +291,19 @@ def test_the_fork_scheduler_keeps_the_ordinary_hit_when_it_cannot_share(fork_sch
     blocks, n, *_ = sched._get_local_prefix_cache_hit(child)  # 0.32's signature
     assert n == ordinary[1] and len(blocks.blocks[0]) == len(ordinary[0].blocks[0])
     assert dict(sched.fork_fallbacks) == {reason: 1} and sched.fork_counts["copied"] == 0
+
+
+@pytest.mark.parametrize("found", ["none", "another_copy"])
+def test_a_fork_shares_the_parents_own_blocks_whatever_the_prefix_cache_found(fork_scheduler, found):
+    """The prefix cache found fewer of the parent's full blocks, or other copies of them (the
+    same tokens computed by an earlier request): the fork shares the parent's own blocks and tail,
+    so it computes only its new tokens, as on a fresh engine."""
+    sched = fork_scheduler
+    child = _Request("child", [1, 2, 3, 4, 5, 6, 9], fork=("parent", 6))
+    ordinary = (_Blocks(([],)), 0, 0, False) if found == "none" else (_Blocks(([_Block(7)],)), 4, 0, False)
+    (blocks, n, *_), reason = sched._extend_hit(child, ordinary, ("parent", 6), None)
+    assert reason is None and n == 6 and [b.block_id for b in blocks.blocks[0]] == [0, 1]
+    assert sched.fork_counts["copied"] == 1
 
 
 def test_the_fork_scheduler_leaves_other_requests_alone(fork_scheduler):

@@ -53,7 +53,7 @@ FALLBACK_REASONS = (
     "parent_behind",  # the parent has not computed the shared tokens (yet)
     "adapter",  # different LoRA adapter or cache salt
     "no_cache_read",  # the fork skips prefix-cache reads (e.g. prompt log-probabilities)
-    "hit_mismatch",  # the ordinary hit is not the parent's full blocks
+    "hit_mismatch",  # the parent does not hold the blocks of the shared tokens
     "tokens",  # the shared tokens differ from the parent's
     "too_long",  # sharing would leave no token to compute
 )
@@ -133,8 +133,6 @@ class _ForkMixin:
         if num_hit >= shared:
             self.fork_counts["aligned"] += 1  # nothing past the full blocks to share
             return hit, None
-        if full == shared:
-            return hit, "hit_mismatch"  # aligned, yet the parent's full blocks were not found
         if request.skip_reading_prefix_cache:
             return hit, "no_cache_read"
         if shared > request.num_tokens - 1 or (limit is not None and shared > int(limit)):
@@ -146,17 +144,27 @@ class _ForkMixin:
             return hit, "parent_behind"
         if _adapter_id(parent) != _adapter_id(request) or parent.cache_salt != request.cache_salt:
             return hit, "adapter"
-        if num_hit != full:
-            return hit, "hit_mismatch"
-        mine = blocks.blocks[0]
-        theirs = self.kv_cache_manager.get_blocks(parent_id).blocks[0]  # type: ignore[attr-defined]
         n_full = full // block_size
-        if len(theirs) <= n_full or len(mine) != n_full or any(a is not b for a, b in zip(mine, theirs, strict=False)):
-            return hit, "hit_mismatch"
-        tail = theirs[n_full]
-        if getattr(tail, "is_null", False) or request.all_token_ids[full:shared] != parent.all_token_ids[full:shared]:
+        theirs = self.kv_cache_manager.get_blocks(parent_id).blocks[0]  # type: ignore[attr-defined]
+        if len(theirs) < n_full + (full < shared):
+            return hit, "hit_mismatch"  # the parent does not hold the blocks of the shared tokens
+        if request.all_token_ids[:shared] != parent.all_token_ids[:shared]:
             return hit, "tokens"
-        extended = self.kv_cache_manager.create_kv_cache_blocks((list(mine) + [tail],))  # type: ignore[attr-defined]
+        # The ordinary hit is made of the parent's full blocks, unless the prefix cache holds other
+        # copies of them (the same tokens computed by an earlier request) or lost track of them:
+        # then the fork shares the parent's own blocks all the same, so that it computes only its
+        # new tokens, as it would on a fresh engine (a fork's rows never depend on what else the
+        # prefix cache holds).
+        mine = list(blocks.blocks[0])
+        if len(mine) != n_full or any(a is not b for a, b in zip(mine, theirs, strict=False)):
+            mine = list(theirs[:n_full])
+        if full == shared:
+            self.fork_counts["aligned"] += 1
+            return (self.kv_cache_manager.create_kv_cache_blocks((mine,)), shared, *hit[2:]), None  # type: ignore[attr-defined]
+        tail = theirs[n_full]
+        if getattr(tail, "is_null", False):
+            return hit, "tokens"
+        extended = self.kv_cache_manager.create_kv_cache_blocks((mine + [tail],))  # type: ignore[attr-defined]
         self.fork_counts["copied"] += 1
         self.fork_counts["saved_tokens"] += shared - full
         return (extended, shared, *hit[2:]), None
