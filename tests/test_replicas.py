@@ -372,6 +372,20 @@ def _cmdline(proc) -> list[str]:
 
 
 @pytest.mark.ray
+async def test_smc_runs_on_one_replica(pool):
+    from genlm_vlm.smc import ConstraintError, Regex
+
+    prompt = [5, 9, 17, 33]
+    a = await pool.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=3)
+    b = await pool.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=3)
+    assert a.stats["where"] == "engine" and a.stats["replica"] in (0, 1)
+    assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
+    assert all(p.text.replace(b" ", b"").isalpha() or not p.text.strip() for p in a.particles)
+    with pytest.raises(ConstraintError, match="does not compile"):
+        await pool.smc(prompt, Regex("("), 8, 10)
+
+
+@pytest.mark.ray
 def test_cleanup_leaves_no_ray_process(pool):
     """Last: the module's pool started Ray, so its cleanup shuts Ray down with every process."""
     import psutil
@@ -396,16 +410,3 @@ def test_cleanup_leaves_no_ray_process(pool):
         pool.next_token_logprobs_sync([3, 4])
     pool.cleanup()
 
-
-@pytest.mark.ray
-async def test_smc_runs_on_one_replica(pool):
-    from genlm_vlm.smc import ConstraintError, Regex
-
-    prompt = [5, 9, 17, 33]
-    a = await pool.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=3)
-    b = await pool.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=3)
-    assert a.stats["where"] == "engine" and a.stats["replica"] in (0, 1)
-    assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
-    assert all(p.text.replace(b" ", b"").isalpha() or not p.text.strip() for p in a.particles)
-    with pytest.raises(ConstraintError, match="does not compile"):
-        await pool.smc(prompt, Regex("("), 8, 10)
