@@ -10,22 +10,10 @@ of :mod:`genlm_vlm.demo`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where used: `demo --help` stays light
     import torch
-
-
-class Constraint(Protocol):
-    """Which tokens may follow the text generated so far."""
-
-    def mask(self, generated: bytes) -> torch.Tensor:
-        """Bool tensor ``[V]``: True where the token may come next (EOS included when allowed)."""
-        ...
-
-    def describe(self) -> str:
-        """One line for the demo's header."""
-        ...
 
 
 def _usable_tokens(byte_vocab: Sequence[bytes], special_ids: Sequence[int]) -> list[int]:

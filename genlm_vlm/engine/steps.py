@@ -443,9 +443,11 @@ class StepLoop(SessionEviction):
         the first waiter, copies to the others)."""
         device = self.output_device
         if device is not None and rows[0][1].device != device:
-            stay = [(job, r) for job, r in rows if job.on_device and len(job.waiters) == 1]
-            if stay:  # a burst's rows stay where the engine made them
-                rows = [(job, r) for job, r in rows if not (job.on_device and len(job.waiters) == 1)]
+            stay: list[tuple[Job, torch.Tensor]] = []  # a burst's rows stay where the engine made them
+            move: list[tuple[Job, torch.Tensor]] = []
+            for job, r in rows:
+                (stay if job.on_device and len(job.waiters) == 1 else move).append((job, r))
+            rows = move
             if rows:
                 try:
                     moved = torch.stack([r for _, r in rows]).to(device).unbind(0)

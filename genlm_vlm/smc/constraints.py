@@ -20,6 +20,7 @@ columns) are never allowed, EOS excepted.
 from __future__ import annotations
 
 import json
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,8 +112,6 @@ class _Compiled(BoundConstraint):
         return self._xgr.GrammarMatcher(self._compiled)
 
     def masks(self, states: Sequence[Any]) -> np.ndarray:
-        import time
-
         import torch
 
         t0 = time.perf_counter()
@@ -128,8 +127,6 @@ class _Compiled(BoundConstraint):
         return out
 
     def advance(self, state: Any, token: int) -> Any:
-        import time
-
         t0 = time.perf_counter()
         if not state.accept_token(int(token)):
             raise ValueError(f"{self.what}: token {token} is not allowed here (the mask allowed it?)")
@@ -248,8 +245,6 @@ class _BoundMask(BoundConstraint):
         return ()
 
     def masks(self, states: Sequence[tuple[int, ...]]) -> np.ndarray:
-        import time
-
         t0 = time.perf_counter()
         out = self.fn(list(states))
         if hasattr(out, "detach"):  # a torch tensor
