@@ -233,11 +233,38 @@ def test_is_greedy_over_many_kv_blocks(llama_lm):
         bent = list(cont)
         bent[t] = 3 + (cont[t] - 3 + 1) % (len(llama_lm.tokenizer) - 3)
         items.append((ctx, bent))
-    out = model._score(items, True, "")
+    out = model._score(items, True, "", greedy=True)
     assert [g for _, g in out] == [True, False, False, False]
     for (c, x), (ll, _) in zip(items, out, strict=True):
         rows = llama_lm.batch_next_token_logprobs_sync([c + x[:t] for t in range(len(x))])
         assert ll == pytest.approx(float(rows.gather(1, torch.tensor(x)[:, None]).double().sum()), abs=TOL)
+
+
+def test_rolling_windows_ask_for_no_top1(llama_lm, monkeypatch):
+    """lm-eval reads no ``is_greedy`` from rolling windows: they go to the scoring path without
+    the top-1 per position (``prompt_logprobs=0``: vLLM skips a top-k over every column), and the
+    total is still the sum of the windows' rows."""
+    model = GenlmVLMEval(llama_lm)
+    asked: list[bool] = []
+    real = llama_lm._score_futures
+
+    def spy(items, method="auto", greedy=False):
+        asked.append(greedy)
+        return real(items, method, greedy=greedy)
+
+    monkeypatch.setattr(llama_lm, "_score_futures", spy)
+    text = _text_source()[:3000]
+    (total,) = model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert asked == [False]
+    windows = list(map(make_disjoint_window, get_rolling_token_windows(
+        token_list=model.tok_encode(text), prefix_token=model.prefix_token_id,
+        max_seq_len=model.max_length, context_len=1)))
+    assert len(windows) > 1
+    want = 0.0
+    for c, x in windows:
+        rows = llama_lm.batch_next_token_logprobs_sync([list(c) + list(x[:t]) for t in range(len(x))])
+        want += float(rows.gather(1, torch.tensor(x)[:, None]).double().sum())
+    assert total == pytest.approx(want, abs=TOL * len(windows))
 
 
 def test_chat_template_is_applied(model_paths, tasks_dir):

@@ -205,7 +205,7 @@ class GenlmVLMEval(TemplateLM):
         items = []
         for i, (key, context, continuation) in enumerate(requests):
             items.append(self._fit(list(context), list(continuation), key, i))
-        results = self._score(items, disable_tqdm, "Running loglikelihood requests")
+        results = self._score(items, disable_tqdm, "Running loglikelihood requests", greedy=True)
         for (key, _, _), answer in zip(requests, results, strict=True):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -237,22 +237,24 @@ class GenlmVLMEval(TemplateLM):
         return kept[: len(kept) - len(continuation)], continuation
 
     def _score(self, items: list[tuple[list[int], list[int]]], disable_tqdm: bool,
-               desc: str) -> list[tuple[float, bool]]:
+               desc: str, greedy: bool) -> list[tuple[float, bool]]:
         """``(sum of log-probabilities, greedy)`` for every ``(prompt, continuation)``, all sent
-        at once: through vLLM's prompt log-probabilities where the model has them, else rows."""
+        at once: through vLLM's prompt log-probabilities where the model has them, else rows.
+        With ``greedy=False`` the second value is always True and vLLM is asked for no top-1
+        per position (the rolling windows: lm-eval reads no ``is_greedy`` there)."""
         out: list[tuple[float, bool] | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc=desc, disable=disable_tqdm)
         try:
             hook = getattr(self.lm, "_score_futures", None)
             futures = None
             if callable(hook) and items:
-                futures = hook([(tuple(p), tuple(c), self.lora_name, 0) for p, c in items], "auto", greedy=True)
+                futures = hook([(tuple(p), tuple(c), self.lora_name, 0) for p, c in items], "auto", greedy=greedy)
             if futures is not None:
                 index = {f: i for i, f in enumerate(futures)}
                 try:
                     for fut in cf.as_completed(futures):
                         found = fut.result()
-                        out[index[fut]] = (float(found.logprobs.double().sum()), bool(found.greedy))
+                        out[index[fut]] = (float(found.logprobs.double().sum()), bool(found.greedy) if greedy else True)
                         bar.update(1)
                 finally:
                     for fut in futures:
@@ -300,7 +302,7 @@ class GenlmVLMEval(TemplateLM):
             )):
                 windows.append((list(context), list(continuation)))
                 owner.append(i)
-        scores = self._score(windows, disable_tqdm, "Running loglikelihood_rolling windows")
+        scores = self._score(windows, disable_tqdm, "Running loglikelihood_rolling windows", greedy=False)
         totals = [0.0] * len(requests)
         for i, (value, _) in zip(owner, scores, strict=True):
             totals[i] += value
