@@ -274,3 +274,23 @@ def test_smc_under_an_adapter_in_the_engine_equals_the_reference(lora_lm):
         assert [(p.token_ids, p.log_weight) for p in eng.particles] == [(p.token_ids, p.log_weight) for p in ref.particles]
         weights[name] = [p.log_weight for p in eng.particles]
     assert weights["a"] != weights[None]  # the adapter's rows, not the base model's
+
+
+def test_lm_eval_model_scores_under_an_adapter(lora_lm, adapters, model_paths):
+    """lm-eval's model with ``lora_local_path`` over an existing model: every request through the
+    scoring path under that adapter, as HF + peft computes it (and not as the base model)."""
+    pytest.importorskip("lm_eval", reason="needs the eval extra (lm-eval)")
+    from genlm_vlm.evaluation import GenlmVLMEval
+
+    model = GenlmVLMEval(lora_lm, lora_local_path=adapters["c"])
+    prompts = random_prompts(3, len(lora_lm.tokenizer), 40, 90, seed=31)
+    items = [(p[:30], p[30:]) for p in prompts]
+    got = model._loglikelihood_tokens([(None, c, x) for c, x in items], disable_tqdm=True)
+    for (c, x), (ll, _) in zip(items, got, strict=True):
+        prefixes = [c + x[:t] for t in range(len(x))]
+        want = hf_reference_logprobs(model_paths["llama"], prefixes, lora_path=adapters["c"])
+        base = hf_reference_logprobs(model_paths["llama"], prefixes)
+        ll_want = float(sum(float(want[t][x[t]]) for t in range(len(x))))
+        ll_base = float(sum(float(base[t][x[t]]) for t in range(len(x))))
+        assert ll == pytest.approx(ll_want, abs=1e-3)
+        assert abs(ll_want - ll_base) > 1e-2  # the adapter changes the answer

@@ -386,6 +386,23 @@ async def test_smc_runs_on_one_replica(pool):
 
 
 @pytest.mark.ray
+def test_lm_eval_model_on_a_pool(pool, model_paths):
+    """lm-eval's model over a pool: the row path (a pool has no scoring path), log-likelihoods
+    and ``is_greedy`` as HF float32 computes them."""
+    pytest.importorskip("lm_eval", reason="needs the eval extra (lm-eval)")
+    from genlm_vlm.evaluation import GenlmVLMEval
+
+    model = GenlmVLMEval(pool)
+    items = [([5, 9, 17], [33, 2, 41]), ([7, 8], [12])]
+    got = model._loglikelihood_tokens([(None, c, x) for c, x in items], disable_tqdm=True)
+    for (c, x), (ll, greedy) in zip(items, got, strict=True):
+        rows = hf_reference_logprobs(model_paths["llama"], [c + x[:t] for t in range(len(x))])
+        want = float(sum(float(rows[t][x[t]]) for t in range(len(x))))
+        assert ll == pytest.approx(want, abs=1e-3)
+        assert greedy == all(int(rows[t].argmax()) == x[t] for t in range(len(x)))
+
+
+@pytest.mark.ray
 def test_cleanup_leaves_no_ray_process(pool):
     """Last: the module's pool started Ray, so its cleanup shuts Ray down with every process."""
     import psutil
