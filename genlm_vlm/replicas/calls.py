@@ -270,11 +270,11 @@ class CallMixin:
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = kwargs.get("in_engine", True)
-        prompt, controller = api.prepare(self, prompt_ids, constraint, n_particles, max_tokens,
+        prompt, controller = api.prepare(self, prompt_ids, constraint, n_particles, max_tokens, build=not in_engine,
                                          **{k: v for k, v in kwargs.items() if k != "in_engine"})
-        if not in_engine:
+        if controller is not None:
             return await api.run(self, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=False)
-        del controller  # holds compiled matchers; the replica builds its own
+        # Checked here (compiled once per model); the replica builds the controller itself.
         return await self._on_one_replica(prompt, kwargs.get("lora_name"), "smc", list(prompt), constraint,
                                           n_particles, max_tokens, kwargs)
 

@@ -41,9 +41,12 @@ def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
 
 def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
             ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
-            lora_name: str | None = None, eos_token_ids: Any = None) -> tuple[tuple[int, ...], SMCController]:
+            lora_name: str | None = None, eos_token_ids: Any = None,
+            build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
     """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller; every
-    problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it."""
+    problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it. With
+    ``build=False`` the constraint is still compiled (that is where a bad pattern or an empty
+    language shows), but no controller (with its ``n_particles`` matchers) is made: None."""
     prompt = lm._check_ids(prompt_ids, "prompt_ids")
     if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles < 1:
         raise ValueError(f"n_particles must be an int >= 1, got {n_particles!r}")
@@ -77,6 +80,8 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
         raise ValueError(f"{type(lm).__name__} has no LoRA adapters (lora_name={lora_name!r})")
     eos = _eos_ids(lm, eos_token_ids)
     bound = bind(lm, constraint, eos)
+    if not build:
+        return prompt, None
     controller = SMCController(
         bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=lm._byte_strings,
         ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed,
