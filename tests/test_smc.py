@@ -125,6 +125,22 @@ def test_resampling_forks_and_temperature(llama_lm):
         assert p.text.decode().replace(" ", "").isalpha() or p.text.strip() == b""
 
 
+def test_a_burst_releases_the_sessions_it_resampled_away(llama_lm):
+    """Sessions that no particle extends any more are released during the run (vLLM walks past
+    every parked session each step); the run stays byte-identical to the reference, and what is
+    left idle afterwards is at most one session per particle."""
+    lm = llama_lm
+    prompt = _prompt(lm)
+    lm.release_sessions()
+    args = dict(seed=8, ess_threshold=1.0)  # resample at every step where weights differ
+    eng = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 24, **args)
+    assert len(eng.resampled_at) >= 4
+    assert eng.stats["sessions_released"] > 0
+    assert lm.stats["sessions"]["idle"] <= 12
+    ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 24, in_engine=False, **args)
+    assert _fingerprint(eng) == _fingerprint(ref)
+
+
 def test_custom_mask_function(llama_lm):
     lm = llama_lm
     vocab = lm._byte_strings

@@ -64,6 +64,7 @@ class Burst:
         self.live: list[int] = []
         self.want: list[Tokens] = []
         self.sessions: set[str] = set()
+        self.dropped = 0  # sessions released mid-run (_release_dropped)
         self.done = False
         self.rounds = 0
         self.seconds = 0.0
@@ -81,6 +82,7 @@ class Burst:
             return
         self.live = live
         self.want = [ps.prefix(i) for i in live]
+        self._release_dropped()
         self.rows = {}
         self.tickets = []
         self.jobs = jobs = []
@@ -94,6 +96,20 @@ class Burst:
         self.distinct = len(jobs)
         self.rounds += 1
         self.loop.queue_internal(jobs)
+
+    def _release_dropped(self) -> None:
+        """Release the last round's sessions that no live particle extends (resampled away, dead
+        or finished): vLLM keeps a parked session in its waiting queue and walks past it every
+        step, and it holds KV blocks and a sequence slot. The sessions that this round's
+        particles continue or fork from (prefix + one token) are kept, and so are sessions that
+        another caller's query joined (it may extend them)."""
+        extended = {w[:-1] for w in self.want}
+        dropped = {job.rid for job in self.jobs
+                   if job.session is not None and job.rid is not None and job.ids not in extended
+                   and len(job.waiters) == 1}
+        if dropped:
+            self.sessions -= dropped
+            self.dropped += self.loop.release_sessions(dropped)
 
     def _ticket_cancelled(self, ticket: Ticket) -> None:
         if ticket.job is not None:
@@ -143,7 +159,8 @@ class Burst:
         self.seconds += time.perf_counter() - t0
         self.done = True
         if isinstance(getattr(value, "stats", None), dict):
-            value.stats.update(engine_rounds=self.rounds, burst_host_s=round(self.seconds, 6))
+            value.stats.update(engine_rounds=self.rounds, burst_host_s=round(self.seconds, 6),
+                               sessions_released=self.dropped)
         self.loop.burst_ended(self, "finished")
         self._resolve(value, None)
 
