@@ -42,6 +42,14 @@ def _text_source() -> str:
     return "\n".join(inspect.getsource(m) for m in (collections, json.decoder, string))
 
 
+def _lm_eval_windows(model, text: str) -> list[tuple[list[int], list[int]]]:
+    """``(context, continuation)`` of each rolling window of ``text``, as lm-eval's ``hf``
+    backend cuts them (windows of ``max_length``, one token of context)."""
+    return list(map(make_disjoint_window, get_rolling_token_windows(
+        token_list=model.tok_encode(text), prefix_token=model.prefix_token_id,
+        max_seq_len=model.max_length, context_len=1)))
+
+
 def _write_task(root: pathlib.Path, name: str, rows: list[dict], body: str) -> None:
     data = root / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -256,9 +264,7 @@ def test_rolling_windows_ask_for_no_top1(llama_lm, monkeypatch):
     text = _text_source()[:3000]
     (total,) = model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
     assert asked == [False]
-    windows = list(map(make_disjoint_window, get_rolling_token_windows(
-        token_list=model.tok_encode(text), prefix_token=model.prefix_token_id,
-        max_seq_len=model.max_length, context_len=1)))
+    windows = _lm_eval_windows(model, text)
     assert len(windows) > 1
     want = 0.0
     for c, x in windows:
@@ -297,8 +303,7 @@ def test_row_path_on_a_mock_equals_its_scores():
         assert greedy == bool((rows.argmax(1) == torch.tensor(cont)).all())
     text = "abc de fg " * 40  # rolling windows over a document longer than max_model_len
     (total,) = model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
-    windows = list(map(make_disjoint_window, get_rolling_token_windows(
-        model.tok_encode(text), model.prefix_token_id, model.max_length, 1)))
+    windows = _lm_eval_windows(model, text)
     assert len(windows) > 2 and all(len(c) + len(x) <= 64 for c, x in windows)
     assert total == pytest.approx(sum(lm.score_sync(c, x) for c, x in windows), abs=1e-3)
 

@@ -127,7 +127,7 @@ class _ForkMixin:
         if not self.fork_support[0]:
             return hit, "disabled"
         parent_id, shared = marker[0], int(marker[1])
-        blocks, num_hit = hit[0], int(hit[1])
+        num_hit = int(hit[1])
         block_size = int(self.block_size)  # type: ignore[attr-defined]
         full = shared - shared % block_size
         if num_hit >= shared:
@@ -150,14 +150,11 @@ class _ForkMixin:
             return hit, "hit_mismatch"  # the parent does not hold the blocks of the shared tokens
         if request.all_token_ids[:shared] != parent.all_token_ids[:shared]:
             return hit, "tokens"
-        # The ordinary hit is made of the parent's full blocks, unless the prefix cache holds other
-        # copies of them (the same tokens computed by an earlier request) or lost track of them:
-        # then the fork shares the parent's own blocks all the same, so that it computes only its
-        # new tokens, as it would on a fresh engine (a fork's rows never depend on what else the
-        # prefix cache holds).
-        mine = list(blocks.blocks[0])
-        if len(mine) != n_full or any(a is not b for a, b in zip(mine, theirs, strict=False)):
-            mine = list(theirs[:n_full])
+        # The fork shares the parent's own full blocks, whatever the ordinary hit found (usually
+        # those very blocks; other copies of them when an earlier request computed the same tokens;
+        # fewer when the cache lost track of them), so that it computes only its new tokens, as it
+        # would on a fresh engine: a fork's rows never depend on what else the prefix cache holds.
+        mine = list(theirs[:n_full])
         if full == shared:
             self.fork_counts["aligned"] += 1
             return (self.kv_cache_manager.create_kv_cache_blocks((mine,)), shared, *hit[2:]), None  # type: ignore[attr-defined]
