@@ -73,3 +73,16 @@ def test_cpu_allocator_tuning_runs_once_and_yields_to_the_user(monkeypatch):
         assert tuned is True
     monkeypatch.setenv("GENLM_VLM_MALLOPT", "0")
     assert options.tune_cpu_allocator() is tuned  # decided once per process
+
+
+def test_kv_usage_reader_covers_both_scheduler_layouts():
+    """vLLM 0.32's scheduler has get_kv_cache_usage(); 0.25's (Scheduler and AsyncScheduler, seen
+    on an H100) only its KV cache manager's ``usage``: both are read, anything else is refused."""
+    from types import SimpleNamespace
+
+    from genlm_vlm.engine.core import _kv_usage_reader
+
+    assert _kv_usage_reader(SimpleNamespace(get_kv_cache_usage=lambda: 0.25))() == 0.25
+    assert _kv_usage_reader(SimpleNamespace(kv_cache_manager=SimpleNamespace(usage=0.5)))() == 0.5
+    with pytest.raises(AttributeError, match="get_kv_cache_usage"):
+        _kv_usage_reader(SimpleNamespace(kv_cache_manager=SimpleNamespace()))

@@ -253,6 +253,13 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
                     logger.info("vLLM rejected %s; retrying with the other runner's capture", capture_cls.__name__)
                     use_v2 = not use_v2
                     continue
+                if "Model Runner V2 does not yet support" in str(e) and "logits processors" in str(e):
+                    # vLLM 0.25 (seen on an H100): V2 refuses custom logits processors, and the
+                    # capture is one; unforced, vLLM falls back to V1 by itself.
+                    raise _layout_error(
+                        "its Model Runner V2 does not run custom logits processors, and genlm_vlm's row "
+                        "capture is one: unset VLLM_USE_V2_MODEL_RUNNER (vLLM then picks V1) or set it to 0"
+                    ) from e
                 explained = _explain_memory_error(e, merged)
                 if explained is not None:
                     raise explained from e

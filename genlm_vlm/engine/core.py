@@ -197,6 +197,19 @@ _live_lock = threading.Lock()
 
 
 # ------------------------------------------------------------------------------ the real core
+def _kv_usage_reader(scheduler: Any) -> Any:
+    """The scheduler's KV usage as a callable: ``get_kv_cache_usage()`` (vLLM 0.32), else its
+    KV cache manager's ``usage`` property (vLLM 0.25's ``Scheduler`` and ``AsyncScheduler``, seen
+    on an H100). Raises ``AttributeError`` when neither exists."""
+    read = getattr(scheduler, "get_kv_cache_usage", None)
+    if read is not None:
+        return read
+    manager = scheduler.kv_cache_manager
+    if not hasattr(manager, "usage"):
+        raise AttributeError(f"{type(scheduler).__name__} has neither get_kv_cache_usage nor kv_cache_manager.usage")
+    return lambda: manager.usage
+
+
 class VLLMCore:
     """:class:`EngineCore` on an in-process vLLM ``EngineCore`` (build with :meth:`build`)."""
 
@@ -216,7 +229,7 @@ class VLLMCore:
             self._abort = core.abort_requests
             self._process_inputs = engine.input_processor.process_inputs
             self._tasks = engine.get_supported_tasks()
-            self._kv_usage = self._scheduler.get_kv_cache_usage
+            self._kv_usage = _kv_usage_reader(self._scheduler)
             self._add_lora = engine.add_lora
             self._reset_prefix_cache = llm.reset_prefix_cache
             self._remove_lora = engine.remove_lora
