@@ -21,12 +21,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .jobs import Cancel, Job, Ticket
+from .jobs import Cancel, Job, Message, Ticket
 
 if TYPE_CHECKING:
     from .steps import StepLoop
@@ -199,3 +200,43 @@ class Burst:
                     w.set_result(value)
                 else:
                     w.set_exception(exc)
+
+
+class BurstHost:
+    """The step loop's side of bursts (a mixin of :class:`~.steps.StepLoop`: it works on the
+    loop's state, engine thread only)."""
+
+    _bursts: dict[int, Burst]
+    _burst_counts: dict[str, int]
+    _queue: deque[Job]
+    _inbox: deque[Message]
+    _table: Any
+
+    def _start_burst(self, job: Job) -> None:
+        burst = Burst(self, job)
+        self._bursts[id(job)] = burst
+        self._burst_counts["started"] += 1
+        burst.start()
+
+    def burst_ended(self, burst: Burst, how: str) -> None:
+        """``burst`` finished, failed or was cancelled: forget it (called by the burst)."""
+        if self._bursts.pop(id(burst.job), None) is not None:
+            self._burst_counts[how] += 1
+
+    def queue_internal(self, jobs: list[Job]) -> None:
+        """Queue jobs made on the engine thread (a burst's round): admitted before the next step."""
+        self._queue.extend(jobs)
+
+    def post_internal(self, message: Message) -> None:
+        """Post a message to this loop from the engine thread itself (read at the next drain)."""
+        self._inbox.append(message)
+
+    def release_sessions(self, rids: set[str]) -> int:
+        """Release those of ``rids`` that are idle sessions (a cancelled burst's); returns how many."""
+        n = 0
+        for rid in rids:
+            s = self._table.idle.get(rid)
+            if s is not None:
+                self._evict(s)
+                n += 1
+        return n
