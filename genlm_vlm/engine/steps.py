@@ -107,10 +107,13 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
         self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
         self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
         self._bursts: dict[int, Burst] = {}  # controller runs in progress, by id(job) (.bursts)
-        self._burst_counts = {"started": 0, "finished": 0, "failed": 0, "cancelled": 0}
-        # Failed engine steps and what was dropped after them (see _after_failed_step).
-        self._faults = dict.fromkeys(("failed_steps", "requests_failed", "sessions_dropped",
-                                      "prefix_cache_resets", "prefix_cache_reset_failures"), 0)
+        self._burst_counts = dict.fromkeys(("started", "finished", "failed", "cancelled", "sessions_released"), 0)
+        # Failed engine steps and what was dropped after them (see _after_failed_step); runs
+        # failed by their controller or by our own burst code (.bursts); blocking calls refused
+        # on this thread (EngineDriver.refuse_engine_thread).
+        self._faults = dict.fromkeys(("failed_steps", "requests_failed", "sessions_dropped", "prefix_cache_resets",
+                                      "prefix_cache_reset_failures", "controller_errors", "burst_errors",
+                                      "blocking_calls"), 0)
         self._cache_suspect = False  # a failed step's blocks may still be in the prefix cache
 
     def run(self) -> None:
