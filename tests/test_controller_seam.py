@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from genlm_vlm.smc import Controller, Decision, Regex, TokenMask, drive
-from genlm_vlm.smc.controller import ControllerError
+from genlm_vlm.smc import Controller, ControllerError, Decision, Regex, TokenMask, drive
 
 #: No faulty run may leave its caller waiting: a hang fails the test after this long.
 TIMEOUT = 120
@@ -338,3 +337,24 @@ async def test_an_exception_anywhere_in_a_run_fails_that_run_only(llama_lm, monk
     assert isinstance(got, RuntimeError) and f"injected at {point}" in str(got), got
     assert "genlm_vlm failed on the engine thread while" in str(got)
     assert _faults(lm)["burst_errors"] == before + 1
+
+
+# ------------------------------------------------------------------------------ pure parts
+def test_a_refused_decision_changes_nothing():
+    """ParticleSet checks a whole decision before applying any of it; numpy/torch integers and
+    bools are taken where they mean ints and a bool, Python bools are not tokens."""
+    from genlm_vlm.smc import ParticleSet
+
+    ps = ParticleSet((1, 2), 3, vocab_size=10, max_len=5)
+    assert ps.apply(Decision(np.array([3, 4, 5]), parents=torch.tensor([2, 1, 0]), stop=np.bool_(False)), [0, 1, 2]) is False
+    assert ps.generated == [(5,), (4,), (3,)]
+    for bad in (Decision([1, 2, 10]), Decision([1, 2, 3], parents=[0, 1, 3]), Decision([1, None, False]),
+                Decision([1, 2, 3], stop=2), Decision([1, 2, 3, 4])):
+        with pytest.raises(ControllerError):
+            ps.apply(bad, [0, 1, 2])
+        assert ps.generated == [(5,), (4,), (3,)] and ps.live() == [0, 1, 2]
+    ps.apply(Decision([6, 7, None]), [0, 1, 2])
+    with pytest.raises(ControllerError, match=r"ran particle 1 to 5 tokens \(max_model_len=5\)"):
+        ps.apply(Decision([None, 8]), [0, 1])  # particle 1's context would be 5 tokens
+    assert ps.apply(Decision([None, 8], stop=True), [0, 1]) is True  # fine when the run stops
+    assert ps.generated == [(5, 6), (4, 7, 8), (3,)]

@@ -138,7 +138,8 @@ def check_decision(decision: Any, m: int, n: int, vocab_size: int | None
         )
     if len(tokens) != m:
         raise ControllerError(f"the controller returned {len(tokens)} tokens for {m} particles")
-    if set(map(type, tokens)) - {int, type(None)}:  # numpy ints, or a mistake: one pass to tell
+    kinds = set(map(type, tokens))
+    if not kinds <= {int, type(None)}:  # numpy ints, or a mistake: one pass to tell
         for k, tok in enumerate(tokens):
             if _bad_token(tok):
                 raise ControllerError(
@@ -146,10 +147,11 @@ def check_decision(decision: Any, m: int, n: int, vocab_size: int | None
                     "int token id, or None to end the particle"
                 )
         tokens = [None if tok is None else int(tok) for tok in tokens]
+        kinds = set(map(type, tokens))
     elif not isinstance(tokens, list):
         tokens = list(tokens)
     if vocab_size is not None:
-        ids = [tok for tok in tokens if tok is not None]
+        ids = tokens if type(None) not in kinds else [tok for tok in tokens if tok is not None]
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
             k, tok = next((k, t) for k, t in enumerate(tokens) if t is not None and not 0 <= t < vocab_size)
             raise ControllerError(
@@ -157,11 +159,14 @@ def check_decision(decision: Any, m: int, n: int, vocab_size: int | None
             )
     if parents is not None:
         parents = _ints(parents)
-        ok = (not isinstance(parents, str | bytes) and isinstance(parents, Sequence) and len(parents) == n
-              and all(not isinstance(p, bool) and isinstance(p, numbers.Integral) and 0 <= p < n for p in parents))
-        if not ok:
+        ok = not isinstance(parents, str | bytes) and isinstance(parents, Sequence) and len(parents) == n
+        if ok and set(map(type, parents)) != {int}:  # numpy ints, or a mistake
+            ok = not any(_bad_token(p) or p is None for p in parents)
+            parents = [int(p) for p in parents] if ok else parents
+        if not ok or min(parents) < 0 or max(parents) >= n:
             raise ControllerError(f"the controller's parents must be {n} indices in [0, {n}), got {parents!r}")
-        parents = [int(p) for p in parents]
+        if not isinstance(parents, list):
+            parents = list(parents)
     return tokens, parents, stop
 
 
@@ -176,7 +181,7 @@ class ParticleSet:
     burst) checks with this class alone, so both raise the same messages.
     """
 
-    __slots__ = ("generated", "live_flags", "max_len", "prompt", "vocab_size")
+    __slots__ = ("_longest", "generated", "live_flags", "max_len", "prompt", "vocab_size")
 
     def __init__(self, prompt: Tokens, n: int, start: Sequence[Sequence[int]] | None = None, *,
                  vocab_size: int | None = None, max_len: int | None = None) -> None:
@@ -209,6 +214,7 @@ class ParticleSet:
                             f"{len(self.prompt)} + {len(g)}); max_model_len={max_len} allows at most {max_len - 1}"
                         )
         self.live_flags = [True] * n
+        self._longest = max(map(len, self.generated))  # at least the longest generated (see apply)
 
     def live(self) -> list[int]:
         """Indices of the live particles, in order."""
@@ -224,16 +230,19 @@ class ParticleSet:
         run stops); raises :class:`ControllerError`, with nothing applied, if it is malformed."""
         tokens, parents, stop = check_decision(decision, len(particles), len(self.generated), self.vocab_size)
         gen, flags = list(self.generated), list(self.live_flags)
+        longest = self._longest
         for i, tok in zip(particles, tokens, strict=True):
             if tok is None:
                 flags[i] = False
             else:
-                gen[i] = (*gen[i], tok)
+                gen[i] = g = (*gen[i], tok)
+                if len(g) > longest:
+                    longest = len(g)
         if parents is not None:
             gen = [gen[p] for p in parents]
             flags = [flags[p] for p in parents]
-        if not stop and self.max_len is not None:
-            room = self.max_len - len(self.prompt)
+        room = None if self.max_len is None else self.max_len - len(self.prompt)
+        if not stop and room is not None and longest >= room:  # a particle may have reached it: look
             for i, g in enumerate(gen):
                 if flags[i] and len(g) >= room:
                     raise ControllerError(
@@ -241,7 +250,7 @@ class ParticleSet:
                         f"(max_model_len={self.max_len}): stop it earlier (a None token ends a particle, "
                         "Decision.stop the run) while its context is below max_model_len"
                     )
-        self.generated, self.live_flags = gen, flags
+        self.generated, self.live_flags, self._longest = gen, flags, longest
         return stop
 
 
