@@ -22,9 +22,15 @@ The contract, per step:
    ``controller.result(particles)``, with the token sequences each particle generated.
 
 ``step`` and ``result`` run on the engine thread in a burst: they must not block on the event
-loop, and an exception they raise fails that run only. Rows are on the engine's device (the CPU
-on the CPU build); the controller keeps no reference to them past ``step`` (a run holds O(N)
-rows at a time).
+loop, and an exception they raise fails that run only. Nor may they call the model (a ``*_sync``
+method, ``smc``...): on the engine thread that would wait for itself, so it raises at once.
+Rows are on the engine's device (the CPU on the CPU build); the controller keeps no reference to
+them past ``step`` (a run holds O(N) rows at a time).
+
+Whatever a controller hands over is checked before it is used (:class:`ParticleSet`, by both
+runners): ``n_particles``, ``start``, each decision (see :func:`check_decision`), and that no
+live particle's context reaches the model's ``max_model_len`` unless the run stops. A mistake
+raises :class:`ControllerError` naming it, which fails that run only.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ class Decision:
     ``tokens[k]``: the token particle ``particles[k]`` appends and goes on with, or None: it
     ends (its last token, EOS say, is the controller's to record). ``parents``: None, or one
     index per particle (all ``n_particles``, live or ended), applied after the tokens.
-    ``stop``: end the run after this step, whatever is live.
+    ``stop``: end the run after this step, whatever is live. Any object with these three
+    attributes will do; the types accepted are :func:`check_decision`'s (numpy and torch
+    integers and bools too).
     """
 
     tokens: Sequence[int | None]
