@@ -349,11 +349,12 @@ def test_a_refused_decision_changes_nothing():
     assert ps.apply(Decision(np.array([3, 4, 5]), parents=torch.tensor([2, 1, 0]), stop=np.bool_(False)), [0, 1, 2]) is False
     assert ps.generated == [(5,), (4,), (3,)]
     for bad in (Decision([1, 2, 10]), Decision([1, 2, 3], parents=[0, 1, 3]), Decision([1, None, False]),
-                Decision([1, 2, 3], stop=2), Decision([1, 2, 3, 4])):
+                Decision([1, 2, 3], stop=2), Decision([1, 2, 3, 4]), Decision([torch.tensor(1.0), 2, 3]),
+                Decision(torch.tensor([1.0, 2.0, 3.0])), Decision([np.bool_(True), 2, 3])):
         with pytest.raises(ControllerError):
             ps.apply(bad, [0, 1, 2])
         assert ps.generated == [(5,), (4,), (3,)] and ps.live() == [0, 1, 2]
-    ps.apply(Decision([6, 7, None]), [0, 1, 2])
+    ps.apply(Decision([torch.tensor(6), np.int32(7), None], stop=torch.tensor(False)), [0, 1, 2])
     with pytest.raises(ControllerError, match=r"ran particle 1 to 5 tokens \(max_model_len=5\)"):
         ps.apply(Decision([None, 8]), [0, 1])  # particle 1's context would be 5 tokens
     assert ps.apply(Decision([None, 8], stop=True), [0, 1]) is True  # fine when the run stops

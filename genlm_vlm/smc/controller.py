@@ -107,6 +107,11 @@ def _ints(values: Any) -> Any:
     return values
 
 
+def _scalar(x: Any) -> Any:
+    """A 0-d tensor or array (or a numpy scalar) as a Python scalar (anything else as it is)."""
+    return x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x
+
+
 def _bad_token(tok: Any) -> bool:
     """Whether ``tok`` is neither an int nor None (a bool, a float, a str, ...)."""
     return tok is not None and (isinstance(tok, bool) or not isinstance(tok, numbers.Integral))
@@ -115,7 +120,7 @@ def _bad_token(tok: Any) -> bool:
 def _as_bool(stop: Any) -> bool:
     if type(stop) is bool:
         return stop
-    value = stop.item() if hasattr(stop, "item") and getattr(stop, "ndim", 0) == 0 else stop
+    value = _scalar(stop)
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
         return bool(value)
     raise ControllerError(f"the controller's Decision.stop must be a bool, got {stop!r} ({type(stop).__name__})")
@@ -147,7 +152,8 @@ def check_decision(decision: Any, m: int, n: int, vocab_size: int | None
     if len(tokens) != m:
         raise ControllerError(f"the controller returned {len(tokens)} tokens for {m} particles")
     kinds = set(map(type, tokens))
-    if not kinds <= {int, type(None)}:  # numpy ints, or a mistake: one pass to tell
+    if not kinds <= {int, type(None)}:  # numpy or torch ints, or a mistake: one pass to tell
+        tokens = [_scalar(tok) for tok in tokens]
         for k, tok in enumerate(tokens):
             if _bad_token(tok):
                 raise ControllerError(
@@ -168,7 +174,8 @@ def check_decision(decision: Any, m: int, n: int, vocab_size: int | None
     if parents is not None:
         parents = _ints(parents)
         ok = not isinstance(parents, str | bytes) and isinstance(parents, Sequence) and len(parents) == n
-        if ok and set(map(type, parents)) != {int}:  # numpy ints, or a mistake
+        if ok and set(map(type, parents)) != {int}:  # numpy or torch ints, or a mistake
+            parents = [_scalar(p) for p in parents]
             ok = not any(_bad_token(p) or p is None for p in parents)
             parents = [int(p) for p in parents] if ok else parents
         if not ok or min(parents) < 0 or max(parents) >= n:
