@@ -349,7 +349,8 @@ class AsyncVirtualLM(ServingLM):
 
     def _rows_sync(self, queries: list[Query], chunk_size: int | None, show_progress: bool) -> torch.Tensor:
         """The blocking path: the cache-and-dedup step (:class:`~genlm_vlm.batching.KeyPlan`),
-        then the rows still missing in chunks (:meth:`_run_chunked`)."""
+        then the rows still missing in chunks (:meth:`_run_chunked`); refused on the engine thread."""
+        self._driver.refuse_engine_thread("a blocking call for rows (next_token_logprobs_sync, batch_..._sync)")
         self._count_sync(calls=1)
         if not queries:
             return self._no_rows()

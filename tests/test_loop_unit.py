@@ -189,6 +189,7 @@ def test_after_a_failing_step_idle_sessions_go_and_the_prefix_cache_is_reset(dri
     stats = driver.stats()
     assert stats["faults"] == {"failed_steps": 1, "requests_failed": 1, "sessions_dropped": 2,
                                "prefix_cache_resets": 1, "prefix_cache_reset_failures": 0,
+                               "controller_errors": 0, "burst_errors": 0, "blocking_calls": 0,
                                "prefix_cache_suspect": False}
     assert core.resets == 1 and stats["sessions"]["opened"] == 3  # (7, 8, 9) could not continue
 

@@ -201,7 +201,25 @@ class EngineDriver:
         if self._closed:
             raise self._closed_error()
 
+    def refuse_engine_thread(self, what: str) -> None:
+        """Raise ``RuntimeError`` at once if the caller is this engine's own thread (a
+        controller's ``step``/``result`` or a ``TokenMask`` function of a run on the engine,
+        calling the model): ``what`` would wait for this thread and never return. Counted in
+        ``stats()["faults"]["blocking_calls"]``."""
+        if threading.current_thread() is not self._thread:
+            return
+        loop = self._loop
+        if loop is not None:
+            loop.count_fault("blocking_calls")
+        raise RuntimeError(
+            f"{what} was called on the genlm_vlm engine thread (from a controller's step or result, or a "
+            "TokenMask function, of a run on the engine): it would wait for that thread itself and never "
+            "return. Do not block inside a controller or mask, and do not call the model there (no *_sync "
+            "method, smc, run_controller or other call): a controller gets its rows as step's rows argument"
+        )
+
     def _post(self, message: Message) -> None:
+        self.refuse_engine_thread("a call into the model")
         with self._post_lock:
             if self._closed:
                 raise self._closed_error()

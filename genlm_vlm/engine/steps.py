@@ -21,9 +21,10 @@ import torch
 
 from ..dedup import TokensKey
 from .build import ModelInfo
-from .bursts import Burst
+from .bursts import Burst, BurstHost
 from .core import EngineCore, StepResult
 from .eviction import SessionEviction
+from .faults import FaultRecovery
 from .forks import count_fork
 from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, fail_messages
 from .sampler import draw_token, seeded_generator
@@ -40,7 +41,7 @@ DEFAULT_KV_EVICT_THRESHOLD = 0.9
 MIN_PART = 8
 
 
-class StepLoop(SessionEviction):
+class StepLoop(SessionEviction, BurstHost, FaultRecovery):
     """The engine thread's state and loop (engine thread only).
 
     Args:
@@ -106,10 +107,13 @@ class StepLoop(SessionEviction):
         self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
         self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
         self._bursts: dict[int, Burst] = {}  # controller runs in progress, by id(job) (.bursts)
-        self._burst_counts = {"started": 0, "finished": 0, "failed": 0, "cancelled": 0}
-        # Failed engine steps and what was dropped after them (see _after_failed_step).
-        self._faults = dict.fromkeys(("failed_steps", "requests_failed", "sessions_dropped",
-                                      "prefix_cache_resets", "prefix_cache_reset_failures"), 0)
+        self._burst_counts = dict.fromkeys(("started", "finished", "failed", "cancelled", "sessions_released"), 0)
+        # Failed engine steps and what was dropped after them (see _after_failed_step); runs
+        # failed by their controller or by our own burst code (.bursts); blocking calls refused
+        # on this thread (EngineDriver.refuse_engine_thread).
+        self._faults = dict.fromkeys(("failed_steps", "requests_failed", "sessions_dropped", "prefix_cache_resets",
+                                      "prefix_cache_reset_failures", "controller_errors", "burst_errors",
+                                      "blocking_calls"), 0)
         self._cache_suspect = False  # a failed step's blocks may still be in the prefix cache
 
     def run(self) -> None:
@@ -199,36 +203,6 @@ class StepLoop(SessionEviction):
             else:
                 self._start_rows(job, job.ids)
 
-    # ---------------------------------------------------------------- bursts (.bursts)
-    def _start_burst(self, job: Job) -> None:
-        burst = Burst(self, job)
-        self._bursts[id(job)] = burst
-        self._burst_counts["started"] += 1
-        burst.start()
-
-    def burst_ended(self, burst: Burst, how: str) -> None:
-        """``burst`` finished, failed or was cancelled: forget it (called by the burst)."""
-        if self._bursts.pop(id(burst.job), None) is not None:
-            self._burst_counts[how] += 1
-
-    def queue_internal(self, jobs: list[Job]) -> None:
-        """Queue jobs made on the engine thread (a burst's round): admitted before the next step."""
-        self._queue.extend(jobs)
-
-    def post_internal(self, message: Message) -> None:
-        """Post a message to this loop from the engine thread itself (read at the next drain)."""
-        self._inbox.append(message)
-
-    def release_sessions(self, rids: set[str]) -> int:
-        """Release those of ``rids`` that are idle sessions (a cancelled burst's); returns how many."""
-        n = 0
-        for rid in rids:
-            s = self._table.idle.get(rid)
-            if s is not None:
-                self._evict(s)
-                n += 1
-        return n
-
     def lora_kind_busy(self, job: Job) -> bool:
         """Whether ``job`` must wait for the other kind (base model or adapter) to leave the
         engine: the core keeps them in separate steps (``split_lora``; also :mod:`.scoring`)."""
@@ -316,58 +290,6 @@ class StepLoop(SessionEviction):
         self._route(result, core)
         self._outbox.flush()
 
-    def _after_failed_step(self, exc: Exception) -> None:
-        """``core.step()`` raised ``exc``: fail every job in the engine, then make sure nothing
-        the step may have cached is read as computed.
-
-        vLLM enters a request's full KV blocks in its prefix cache when it schedules them, before
-        the forward pass: after a forward that raised, those blocks stay cached, marked computed,
-        never written, and any later request sharing them reads garbage. vLLM offers no way to
-        drop exactly those blocks, so the whole prefix cache is reset; vLLM resets it only when
-        no request holds blocks, so every request in the engine is aborted (the jobs fail with
-        ``exc``: plain rows, session chunks, forks and their pins, scoring parts and warm-ups,
-        samples) and every idle session is released (its KV may share the suspect blocks).
-        Should vLLM refuse, it is tried again before new work is admitted
-        (:meth:`_restore_prefix_cache`).
-        """
-        faults = self._faults
-        jobs = list(self._by_rid.values())
-        logger.warning("engine step failed: %r; failing the %d request(s) in the engine, releasing the idle "
-                       "sessions and resetting the prefix cache", exc, len(jobs))
-        faults["failed_steps"] += 1
-        faults["requests_failed"] += len(jobs)
-        faults["sessions_dropped"] += len(self._table.live)
-        for job in jobs:
-            self._guarded(job, "failing it after a failed step", self._end_job, job, None, exc, True)
-        self._cache_suspect = True
-        self._restore_prefix_cache(first=True)
-        self._outbox.flush()
-
-    def _restore_prefix_cache(self, first: bool = False) -> None:
-        """Release every idle session and reset the engine's prefix cache (after a failed
-        step); if the engine cannot, say so (a warning the ``first`` time, ``stats()["faults"]``)
-        and leave the cache marked suspect, so the loop tries again before it admits new work."""
-        self._faults["sessions_dropped"] += self.evict_all_idle()
-        reset = getattr(self.core, "reset_prefix_cache", None)
-        try:
-            done = True if reset is None else reset()  # a core without one has no prefix cache
-        except Exception:  # noqa: BLE001 - counted and said below
-            logger.warning("resetting the prefix cache raised", exc_info=True)
-            done = False
-        if done:
-            if not first:
-                logger.info("the prefix cache was reset at last, after a failed engine step")
-            self._cache_suspect = False
-            self._faults["prefix_cache_resets"] += 1
-            return
-        self._faults["prefix_cache_reset_failures"] += 1
-        say = logger.warning if first else logger.debug  # retries are counted in stats, not logged
-        say(
-            "after a failed engine step vLLM could not reset its prefix cache (%d request(s) in the engine); "
-            "rows that share a prefix with that step's prompts may be wrong until it can: trying again before "
-            "new work is admitted", len(self._by_rid),
-        )
-
     def _route(self, result: StepResult, core: EngineCore) -> None:
         """Resolve the jobs whose requests finished in this step."""
         by_rid = self._by_rid
@@ -415,28 +337,6 @@ class StepLoop(SessionEviction):
             return row
         self._next_seeded(job, row)
         return None
-
-    def _guarded(self, job: Job, doing: str, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``; if it raises, fail ``job`` alone (see :meth:`_fail_job`): None."""
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - this job's error only; the loop goes on
-            self._fail_job(job, e, doing)
-            return None
-
-    def _fail_job(self, job: Job, exc: BaseException, doing: str) -> None:
-        """``job`` raised ``exc`` on the engine thread while ``doing``: fail its waiters only and
-        abort its request. Our own checks (``ValueError``, e.g. a NaN row) reach them as they are."""
-        logger.warning("failing request %s: %s raised %r", job.rid, doing, exc)
-        err = exc
-        if not isinstance(exc, ValueError):
-            err = RuntimeError(f"genlm_vlm failed on the engine thread while {doing} for this call: {exc!r}")
-            err.__cause__ = exc
-        try:
-            self._end_job(job, exc=err, abort=True)
-        except Exception:  # noqa: BLE001 - the bookkeeping failed too: answer the waiters all the same
-            logger.exception("could not end request %s cleanly", job.rid)
-            self._outbox.resolve(job, exc=err)
 
     def _deliver(self, rows: list[tuple[Job, torch.Tensor]]) -> None:
         """Resolve row jobs; every waiter gets a tensor of its own (the sink's tensor goes to

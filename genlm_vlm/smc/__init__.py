@@ -8,7 +8,8 @@
 * The seam: :class:`Controller`, :class:`Decision` and
   :meth:`genlm_vlm.AsyncLM.run_controller`, for another SMC implementation to run its own
   per-step logic in the engine; :func:`drive` runs any controller per token in Python (the
-  reference).
+  reference). Whatever a controller hands over is checked; a mistake fails its run with
+  :class:`ControllerError` (a ``ValueError``).
 """
 
 from .algorithm import Particle, SMCController, SMCResult
@@ -23,7 +24,7 @@ from .constraints import (
     TokenMask,
     as_constraint,
 )
-from .controller import Controller, Decision, ParticleSet, drive
+from .controller import Controller, ControllerError, Decision, ParticleSet, drive
 
 __all__ = [
     "AllOf",
@@ -31,6 +32,7 @@ __all__ = [
     "Constraint",
     "ConstraintError",
     "Controller",
+    "ControllerError",
     "Decision",
     "Grammar",
     "JSONSchema",

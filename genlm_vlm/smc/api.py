@@ -14,7 +14,7 @@ import numbers
 import time
 from typing import Any
 
-from ..checks import check_seed
+from ..checks import as_token_ids, check_seed
 from .algorithm import RESAMPLING, SMCController, SMCResult
 from .constraints import Constraint, as_constraint
 from .controller import drive
@@ -28,7 +28,12 @@ def _eos_ids(lm: Any, eos_token_ids: Any) -> tuple[int, ...]:
         eos_token_ids = [eos]
     elif isinstance(eos_token_ids, numbers.Integral):
         eos_token_ids = [eos_token_ids]
-    return lm._check_ids(eos_token_ids, "eos_token_ids")
+    eos = as_token_ids(eos_token_ids, "eos_token_ids", lm.vocab_size)
+    if not eos:
+        raise ValueError(
+            "eos_token_ids is empty: SMC needs at least one id that ends a text (None: the tokenizer's eos_token_id)"
+        )
+    return eos
 
 
 def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
@@ -73,6 +78,8 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
     if isinstance(temperature, bool) or not (0.0 <= temp < math.inf):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     seed = check_seed(seed, "seed")
+    if seed is not None and seed < 0:  # numpy's generator, which draws the run's numbers, takes none
+        raise ValueError(f"seed must be None or an int >= 0 for smc (it seeds numpy's default_rng), got {seed}")
     loras = getattr(lm, "_loras", None)
     if loras is not None:
         loras.resolve(lora_name)  # an unknown adapter fails here, before any engine work

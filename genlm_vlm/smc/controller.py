@@ -22,13 +22,20 @@ The contract, per step:
    ``controller.result(particles)``, with the token sequences each particle generated.
 
 ``step`` and ``result`` run on the engine thread in a burst: they must not block on the event
-loop, and an exception they raise fails that run only. Rows are on the engine's device (the CPU
-on the CPU build); the controller keeps no reference to them past ``step`` (a run holds O(N)
-rows at a time).
+loop, and an exception they raise fails that run only. Nor may they call the model (a ``*_sync``
+method, ``smc``...): on the engine thread that would wait for itself, so it raises at once.
+Rows are on the engine's device (the CPU on the CPU build); the controller keeps no reference to
+them past ``step`` (a run holds O(N) rows at a time).
+
+Whatever a controller hands over is checked before it is used (:class:`ParticleSet`, by both
+runners): ``n_particles``, ``start``, each decision (see :func:`check_decision`), and that no
+live particle's context reaches the model's ``max_model_len`` unless the run stops. A mistake
+raises :class:`ControllerError` naming it, which fails that run only.
 """
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +51,9 @@ class Decision:
     ``tokens[k]``: the token particle ``particles[k]`` appends and goes on with, or None: it
     ends (its last token, EOS say, is the controller's to record). ``parents``: None, or one
     index per particle (all ``n_particles``, live or ended), applied after the tokens.
-    ``stop``: end the run after this step, whatever is live.
+    ``stop``: end the run after this step, whatever is live. Any object with these three
+    attributes will do; the types accepted are :func:`check_decision`'s (numpy and torch
+    integers and bools too).
     """
 
     tokens: Sequence[int | None]
@@ -67,24 +76,160 @@ class Controller(ABC):
         (the tokens the controller appended, not the ones that ended a particle)."""
 
 
+class ControllerError(ValueError):
+    """A controller (or the ``start`` of its run) handed its runner something it cannot run: no
+    or a bad ``n_particles``, a ``start`` that is not one sequence of token ids per particle, a
+    step result that is not a :class:`Decision`, a token that is not an int in the vocabulary,
+    ``parents`` that are not ``n_particles`` indices, a ``stop`` that is not a bool, or a
+    particle whose context would reach ``max_model_len``. The message names the mistake; the
+    run fails with it, and only that run."""
+
+
+def n_particles_of(controller: Any) -> int:
+    """``controller.n_particles``, checked: an int >= 1 (not a bool, not a str); else
+    :class:`ControllerError`."""
+    try:
+        n = controller.n_particles
+    except AttributeError:
+        raise ControllerError(
+            f"the controller ({type(controller).__name__}) has no n_particles: set it to the number of "
+            "particles, an int >= 1"
+        ) from None
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ControllerError(f"the controller's n_particles must be an int >= 1, got {n!r} ({type(n).__name__})")
+    return int(n)
+
+
+def _ints(values: Any) -> Any:
+    """A tensor or array as a list of Python scalars (anything else as it is)."""
+    if hasattr(values, "tolist") and hasattr(values, "dtype"):
+        return values.tolist()
+    return values
+
+
+def _scalar(x: Any) -> Any:
+    """A 0-d tensor or array (or a numpy scalar) as a Python scalar (anything else as it is)."""
+    return x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x
+
+
+def _bad_token(tok: Any) -> bool:
+    """Whether ``tok`` is neither an int nor None (a bool, a float, a str, ...)."""
+    return tok is not None and (isinstance(tok, bool) or not isinstance(tok, numbers.Integral))
+
+
+def _as_bool(stop: Any) -> bool:
+    if type(stop) is bool:
+        return stop
+    value = _scalar(stop)
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise ControllerError(f"the controller's Decision.stop must be a bool, got {stop!r} ({type(stop).__name__})")
+
+
+def check_decision(decision: Any, m: int, n: int, vocab_size: int | None
+                   ) -> tuple[list[int | None], list[int] | None, bool]:
+    """``decision`` (a controller's answer for ``m`` live particles out of ``n``) checked and
+    normalised: ``(tokens as Python ints or None, parents as Python ints or None, stop)``.
+
+    Accepted: ``tokens`` a sequence (or 1-D integer tensor / array) of ``m`` items, each an int
+    (numpy and torch integers too; not a bool) in ``[0, vocab_size)`` or None; ``parents`` None
+    or ``n`` ints in ``[0, n)``; ``stop`` a bool (a numpy/torch bool scalar, 0 or 1 too).
+    Anything else raises :class:`ControllerError` naming it."""
+    try:
+        tokens, parents, stop = decision.tokens, decision.parents, decision.stop
+    except AttributeError as e:
+        what = f"{e.name!r}" if getattr(e, "name", None) else "tokens, parents or stop"
+        raise ControllerError(
+            f"the controller's step returned a {type(decision).__name__} without {what}: return a "
+            "genlm_vlm.smc.Decision(tokens, parents=None, stop=False)"
+        ) from None
+    stop = _as_bool(stop)
+    tokens = _ints(tokens)
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise ControllerError(
+            f"the controller's Decision.tokens must be a sequence of token ids (or None), got {type(tokens).__name__}"
+        )
+    if len(tokens) != m:
+        raise ControllerError(f"the controller returned {len(tokens)} tokens for {m} particles")
+    kinds = set(map(type, tokens))
+    if not kinds <= {int, type(None)}:  # numpy or torch ints, or a mistake: one pass to tell
+        tokens = [_scalar(tok) for tok in tokens]
+        for k, tok in enumerate(tokens):
+            if _bad_token(tok):
+                raise ControllerError(
+                    f"the controller's Decision.tokens[{k}] is {tok!r} ({type(tok).__name__}): a token must be an "
+                    "int token id, or None to end the particle"
+                )
+        tokens = [None if tok is None else int(tok) for tok in tokens]
+        kinds = set(map(type, tokens))
+    elif not isinstance(tokens, list):
+        tokens = list(tokens)
+    if vocab_size is not None:
+        ids = tokens if type(None) not in kinds else [tok for tok in tokens if tok is not None]
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            k, tok = next((k, t) for k, t in enumerate(tokens) if t is not None and not 0 <= t < vocab_size)
+            raise ControllerError(
+                f"the controller's Decision.tokens[{k}] is {tok}, outside the vocabulary [0, {vocab_size})"
+            )
+    if parents is not None:
+        parents = _ints(parents)
+        ok = not isinstance(parents, str | bytes) and isinstance(parents, Sequence) and len(parents) == n
+        if ok and set(map(type, parents)) != {int}:  # numpy or torch ints, or a mistake
+            parents = [_scalar(p) for p in parents]
+            ok = not any(_bad_token(p) or p is None for p in parents)
+            parents = [int(p) for p in parents] if ok else parents
+        if not ok or min(parents) < 0 or max(parents) >= n:
+            raise ControllerError(f"the controller's parents must be {n} indices in [0, {n}), got {parents!r}")
+        if not isinstance(parents, list):
+            parents = list(parents)
+    return tokens, parents, stop
+
+
 class ParticleSet:
     """The runner's side of a run: each particle's generated tokens and whether it is live.
 
     ``start``: the particles' generated tokens to begin from (a continued run), or None: ``n``
-    empty particles.
+    empty particles. With ``vocab_size``, every token (of ``start`` and of each decision) must
+    be in ``[0, vocab_size)``; with ``max_len`` (the model's ``max_model_len``), every live
+    particle's context (``prompt`` + generated) must stay below it, so that its next row can be
+    computed. Every violation raises :class:`ControllerError`: the runner (:func:`drive` or a
+    burst) checks with this class alone, so both raise the same messages.
     """
 
-    __slots__ = ("generated", "live_flags", "prompt")
+    __slots__ = ("_longest", "generated", "live_flags", "max_len", "prompt", "vocab_size")
 
-    def __init__(self, prompt: Tokens, n: int, start: Sequence[Sequence[int]] | None = None) -> None:
+    def __init__(self, prompt: Tokens, n: int, start: Sequence[Sequence[int]] | None = None, *,
+                 vocab_size: int | None = None, max_len: int | None = None) -> None:
+        from ..checks import as_token_ids
+
         self.prompt = tuple(prompt)
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ControllerError(f"the controller's n_particles must be an int >= 1, got {n!r} ({type(n).__name__})")
+        n = int(n)
         if start is None:
             self.generated: list[Tokens] = [()] * n
         else:
+            if isinstance(start, str | bytes) or not isinstance(start, Sequence):
+                raise ControllerError(f"start must be a list of {n} token-id lists (one per particle), "
+                                      f"got {type(start).__name__}")
             if len(start) != n:
-                raise ValueError(f"start has {len(start)} particles; the controller has {n}")
-            self.generated = [tuple(int(t) for t in s) for s in start]
+                raise ControllerError(f"start has {len(start)} particles; the controller has {n}")
+            width = vocab_size if vocab_size is not None else 1 << 62
+            try:
+                self.generated = [as_token_ids(s, f"start[{i}]", width) for i, s in enumerate(start)]
+            except (TypeError, ValueError) as e:
+                raise ControllerError(str(e)) from None
+            if max_len is not None:
+                for i, g in enumerate(self.generated):
+                    if len(self.prompt) + len(g) >= max_len:
+                        raise ControllerError(
+                            f"start[{i}] makes particle {i}'s context {len(self.prompt) + len(g)} tokens (the prompt's "
+                            f"{len(self.prompt)} + {len(g)}); max_model_len={max_len} allows at most {max_len - 1}"
+                        )
         self.live_flags = [True] * n
+        self._longest = max(map(len, self.generated))  # at least the longest generated (see apply)
 
     def live(self) -> list[int]:
         """Indices of the live particles, in order."""
@@ -94,24 +239,34 @@ class ParticleSet:
         """The token ids whose next-token row particle ``i`` needs."""
         return self.prompt + self.generated[i]
 
-    def apply(self, decision: Decision, particles: Sequence[int]) -> None:
-        """Apply ``decision`` (made for ``particles``); raises ``ValueError`` if it is malformed."""
-        tokens = decision.tokens
-        if len(tokens) != len(particles):
-            raise ValueError(f"the controller returned {len(tokens)} tokens for {len(particles)} particles")
-        gen, flags = self.generated, self.live_flags
+    def apply(self, decision: Any, particles: Sequence[int]) -> bool:
+        """Apply ``decision`` (made for ``particles``, the live ones) and return its ``stop``.
+        Checks it first (:func:`check_decision`, and the contexts against ``max_len`` unless the
+        run stops); raises :class:`ControllerError`, with nothing applied, if it is malformed."""
+        tokens, parents, stop = check_decision(decision, len(particles), len(self.generated), self.vocab_size)
+        gen, flags = list(self.generated), list(self.live_flags)
+        longest = self._longest
         for i, tok in zip(particles, tokens, strict=True):
             if tok is None:
                 flags[i] = False
             else:
-                gen[i] = (*gen[i], int(tok))
-        parents = decision.parents
+                gen[i] = g = (*gen[i], tok)
+                if len(g) > longest:
+                    longest = len(g)
         if parents is not None:
-            n = len(gen)
-            if len(parents) != n or any(not 0 <= int(p) < n for p in parents):
-                raise ValueError(f"the controller's parents must be {n} indices in [0, {n})")
-            self.generated = [gen[int(p)] for p in parents]
-            self.live_flags = [flags[int(p)] for p in parents]
+            gen = [gen[p] for p in parents]
+            flags = [flags[p] for p in parents]
+        room = None if self.max_len is None else self.max_len - len(self.prompt)
+        if not stop and room is not None and longest >= room:  # a particle may have reached it: look
+            for i, g in enumerate(gen):
+                if flags[i] and len(g) >= room:
+                    raise ControllerError(
+                        f"the controller ran particle {i} to {len(self.prompt) + len(g)} tokens "
+                        f"(max_model_len={self.max_len}): stop it earlier (a None token ends a particle, "
+                        "Decision.stop the run) while its context is below max_model_len"
+                    )
+        self.generated, self.live_flags, self._longest = gen, flags, longest
+        return stop
 
 
 async def drive(lm: Any, prompt_ids: Sequence[int], controller: Controller, *, lora_name: str | None = None,
@@ -120,14 +275,13 @@ async def drive(lm: Any, prompt_ids: Sequence[int], controller: Controller, *, l
     awaits ``lm.batch_next_token_logprobs`` for the live particles and calls ``step`` on the
     caller's thread. This is the reference a burst is compared with; ``lm`` may be a
     :class:`~genlm_vlm.MockAsyncLM`, a :class:`~genlm_vlm.ReplicaPool` or any wrapper."""
-    ps = ParticleSet(tuple(prompt_ids), controller.n_particles, start)
+    ps = ParticleSet(tuple(prompt_ids), n_particles_of(controller), start,
+                     vocab_size=getattr(lm, "vocab_size", None), max_len=getattr(lm, "max_model_len", None))
     while True:
         live = ps.live()
         if not live:
             break
         rows = await lm.batch_next_token_logprobs([ps.prefix(i) for i in live], lora_name=lora_name)
-        decision = controller.step(rows, live)
-        ps.apply(decision, live)
-        if decision.stop:
+        if ps.apply(controller.step(rows, live), live):
             break
     return controller.result(ps.generated)
