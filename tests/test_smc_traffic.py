@@ -5,13 +5,15 @@ whole batch's context (``VLLM_CPU_ATTN_SPLIT_KV``), and the split changes the ro
 a particle's row then depended on what else the engine computed in the same step, and on
 whether it came from a one-token step or from a prefill. Seeded runs run at once, or beside
 plain row traffic, differed from their solo runs in ``log_weights``, ``log_marginal`` and
-``ess`` (issue 35, item 5). genlm_vlm turns the split off on the CPU build, so rows are the same
+``ess`` (issue 35, item 5), and a run whose sessions were evicted and prefilled again differed
+from an undisturbed one. genlm_vlm turns the split off on the CPU build, so rows are the same
 bits whichever path and batch computed them, and these runs are bit for bit their solo runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -36,6 +38,30 @@ def _exact(result) -> tuple:
 def test_the_engine_reports_batch_invariant_rows(llama_lm):
     inv = llama_lm.stats["batch_invariant"]
     assert inv["enabled"] is True and "VLLM_CPU_ATTN_SPLIT_KV" in inv["why"]
+
+
+def test_the_split_is_turned_off_unless_the_caller_set_it(monkeypatch):
+    from genlm_vlm.engine import build
+    from genlm_vlm.engine.options import SPLIT_KV_ENV, batch_invariant_attention
+
+    monkeypatch.delenv(SPLIT_KV_ENV, raising=False)
+    ok, why = batch_invariant_attention()
+    assert ok and "set by genlm_vlm" in why and os.environ[SPLIT_KV_ENV] == "0"
+    monkeypatch.setenv(SPLIT_KV_ENV, "0")
+    assert batch_invariant_attention() == (True, f"{SPLIT_KV_ENV}=0 (set by the caller): each query's "
+                                                 "attention is computed whole, by one thread")
+    for value in ("1", "yes"):
+        monkeypatch.setenv(SPLIT_KV_ENV, value)
+        ok, why = batch_invariant_attention()
+        assert not ok and f"{SPLIT_KV_ENV}={value} (set by the caller)" in why and "batch" in why
+        assert os.environ[SPLIT_KV_ENV] == value  # the caller's value is left alone
+    # vLLM's cached environment still says "on" (an engine built before genlm_vlm set it): re-read.
+    import vllm.envs
+
+    monkeypatch.setattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", True, raising=False)
+    assert build._split_kv_stale(True) and not build._split_kv_stale(False)
+    monkeypatch.setattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False, raising=False)
+    assert not build._split_kv_stale(True)
 
 
 def test_a_row_is_the_same_bits_from_a_prefill_a_lone_step_and_a_batched_step(llama_lm):
@@ -106,3 +132,28 @@ def test_a_seeded_run_beside_long_row_traffic_equals_its_solo_run(llama_lm):
     run, rows = asyncio.run(beside())
     assert rows >= 3
     assert _exact(run) == _exact(solo) == _exact(ref)
+
+
+def test_a_seeded_run_is_the_same_on_an_engine_that_evicts_its_sessions(llama_lm, llama_tight_lm):
+    """On an engine of 4 sequences and 64 tokens a step, the run's sessions are evicted by the
+    caps and prefilled again in chunks, beside other traffic: the run equals the one on the roomy
+    engine bit for bit (a prefilled row is the same bits as a one-token step's)."""
+    prompt = _long_prompt(llama_lm, 140, seed=4)
+    llama_lm.clear_cache()
+    roomy = llama_lm.smc_sync(prompt, Regex(r"[a-z ]+"), N, T, seed=6)
+    tight = llama_tight_lm
+    tight.clear_cache()
+    evicted0 = tight.stats["sessions"]["evicted"]
+
+    async def beside():
+        run = asyncio.ensure_future(tight.smc(prompt, Regex(r"[a-z ]+"), N, T, seed=6))
+        other = _long_prompt(tight, 120, seed=5)
+        i = 0
+        while not run.done():
+            await tight.next_token_logprobs(other[: 100 + i % 20] + [i % 200 + 3])
+            i += 1
+        return await run
+
+    run = asyncio.run(beside())
+    assert tight.stats["sessions"]["evicted"] - evicted0 >= N  # sessions were forced out
+    assert _exact(run) == _exact(roomy)
