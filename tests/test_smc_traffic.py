@@ -60,8 +60,12 @@ def test_the_split_is_turned_off_unless_the_caller_set_it(monkeypatch):
 
     monkeypatch.setattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", True, raising=False)
     assert build._split_kv_stale(True) and not build._split_kv_stale(False)
+    assert build._split_kv_report((False, "theirs")) == (False, "theirs")
     monkeypatch.setattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False, raising=False)
     assert not build._split_kv_stale(True)
+    # The caller set 1 after an engine had started with 0: vLLM still runs without the split.
+    ok, why = build._split_kv_report((False, "theirs"))
+    assert ok and "off in vLLM's cached environment" in why
 
 
 def test_a_row_is_the_same_bits_from_a_prefill_a_lone_step_and_a_batched_step(llama_lm):

@@ -275,6 +275,8 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
                     _add_tp_hint(e)
                 raise
             break
+    if is_cpu_platform():
+        invariant = _split_kv_report(invariant)
     return BuiltEngine(llm, sink, "v2" if use_v2 else "v1", env.get(RING_ENV), kv_bytes, invariant)
 
 
@@ -324,17 +326,34 @@ def _read_environ_afresh() -> None:
     disable_envs_cache()
 
 
-def _split_kv_stale(invariant: bool) -> bool:
-    """Whether vLLM's cached environment still says split-KV attention is on although
-    ``os.environ`` turned it off (an engine started in this process before genlm_vlm set it)."""
-    if not invariant:
-        return False
+def _split_kv_in_vllm() -> bool | None:
+    """Whether vLLM (through its cache of the environment, filled when an engine starts) has
+    split-KV attention on; None when this vLLM has no such variable or cannot say."""
     try:
         import vllm.envs as envs
 
-        return bool(getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", False))
-    except Exception:  # noqa: BLE001 - a release without the variable: nothing to refresh
-        return False
+        value = getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", None)
+    except Exception:  # noqa: BLE001 - a value vLLM itself refuses: it fails the build, not us
+        return None
+    return None if value is None else bool(value)
+
+
+def _split_kv_stale(invariant: bool) -> bool:
+    """Whether vLLM's cached environment still says split-KV attention is on although
+    ``os.environ`` turned it off (an engine started in this process before genlm_vlm set it):
+    then vLLM must read the environment again."""
+    return invariant and bool(_split_kv_in_vllm())
+
+
+def _split_kv_report(invariant: tuple[bool, str]) -> tuple[bool, str]:
+    """``invariant`` checked against what vLLM read: the variable is one per process, and vLLM
+    keeps the value it read when the first engine started unless told to read it again (only
+    done to turn the split off), so a caller who set it to 1 after that runs without the split."""
+    on = _split_kv_in_vllm()
+    if on is None or on != invariant[0]:
+        return invariant
+    return (not on, f"VLLM_CPU_ATTN_SPLIT_KV is {'on' if on else 'off'} in vLLM's cached environment "
+                    "(read when an earlier engine of this process started), whatever os.environ says now")
 
 
 def _add_tp_hint(error: BaseException) -> None:

