@@ -42,9 +42,10 @@ def batch_invariant_attention() -> tuple[bool, str]:
     ``VLLM_CPU_ATTN_SPLIT_KV`` themselves; returns whether a row's bits are then independent of
     the batch and of the path that computed it, and why (or why not). CPU build only.
 
-    With the split on (vLLM's default), the CPU attention kernel cuts a one-token query's context
-    into pieces sized by the *whole step's* context divided by the thread count, computes them on
-    several threads and merges their partial softmaxes; a query of several tokens (a prefill) is
+    With the split on (vLLM's default), the CPU attention scheduler divides the *whole step's*
+    context into one equal share per thread, fills the shares query by query, and cuts a
+    one-token query that does not fit in what is left of a share into pieces computed by several
+    threads, whose partial softmaxes it then merges; a query of several tokens (a prefill) is
     never cut. The merge changes a row's last bits, so a row depended on what else the engine
     computed in the same step, and a one-token step's row differed from the same row computed by
     a prefill. Measured on vllm-cpu 0.32, 2 threads, block size 32, float32: rows past about 96
