@@ -41,12 +41,16 @@ def test_the_engine_reports_batch_invariant_rows(llama_lm):
 
 
 def test_the_split_is_turned_off_unless_the_caller_set_it(monkeypatch):
-    from genlm_vlm.engine import build
+    from genlm_vlm.engine import build, options
     from genlm_vlm.engine.options import SPLIT_KV_ENV, batch_invariant_attention
 
+    monkeypatch.setattr(options, "_split_kv_set_here", False)  # restored after the test
     monkeypatch.delenv(SPLIT_KV_ENV, raising=False)
     ok, why = batch_invariant_attention()
     assert ok and "set by genlm_vlm" in why and os.environ[SPLIT_KV_ENV] == "0"
+    assert batch_invariant_attention() == (ok, why)  # the next engine's build says the same
+    monkeypatch.setenv(SPLIT_KV_ENV, "1")
+    batch_invariant_attention()
     monkeypatch.setenv(SPLIT_KV_ENV, "0")
     assert batch_invariant_attention() == (True, f"{SPLIT_KV_ENV}=0 (set by the caller): each query's "
                                                  "attention is computed whole, by one thread")

