@@ -143,15 +143,22 @@ def test_a_seeded_run_beside_long_row_traffic_equals_its_solo_run(llama_lm):
 
 
 def test_a_seeded_run_is_the_same_on_an_engine_that_evicts_its_sessions(llama_lm, llama_tight_lm):
-    """On an engine of 4 sequences and 64 tokens a step, the run's sessions are evicted by the
-    caps and prefilled again in chunks, beside other traffic: the run equals the one on the roomy
-    engine bit for bit (a prefilled row is the same bits as a one-token step's)."""
+    """On an engine of 4 sequences and 64 tokens a step, the caps evict the run's idle sessions
+    and their particles are prefilled again (in chunks), alone and beside other traffic: the run
+    equals the one on the roomy engine bit for bit (a prefilled row is the same bits as a
+    one-token step's)."""
     prompt = _long_prompt(llama_lm, 140, seed=4)
     llama_lm.clear_cache()
     roomy = llama_lm.smc_sync(prompt, Regex(r"[a-z ]+"), N, T, seed=6)
     tight = llama_tight_lm
     tight.clear_cache()
-    evicted0 = tight.stats["sessions"]["evicted"]
+    before = tight.stats
+    alone = tight.smc_sync(prompt, Regex(r"[a-z ]+"), N, T, seed=6)
+    after = tight.stats
+    forced_out = after["sessions"]["evicted"] - before["sessions"]["evicted"] - alone.stats["sessions_released"]
+    prefilled = after["tokens"]["prefill"] - before["tokens"]["prefill"]
+    assert forced_out >= N and prefilled > 4 * len(prompt), (forced_out, prefilled)
+    tight.clear_cache()
 
     async def beside():
         run = asyncio.ensure_future(tight.smc(prompt, Regex(r"[a-z ]+"), N, T, seed=6))
@@ -162,6 +169,5 @@ def test_a_seeded_run_is_the_same_on_an_engine_that_evicts_its_sessions(llama_lm
             i += 1
         return await run
 
-    run = asyncio.run(beside())
-    assert tight.stats["sessions"]["evicted"] - evicted0 >= N  # sessions were forced out
-    assert _exact(run) == _exact(roomy)
+    busy = asyncio.run(beside())
+    assert _exact(alone) == _exact(roomy) and _exact(busy) == _exact(roomy)
