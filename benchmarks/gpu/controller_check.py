@@ -23,6 +23,8 @@ reading them would show), it records:
   (``token_mismatch``; ``token_mismatch_not_tie``: those whose inverse-CDF target is not within
   1e-9 of the mass boundary between the two tokens) and the largest relative difference of the
   increments (``max_rel_err``; the check asks <= 1e-5);
+* ``step_ms_torch_kernel`` (dense path): the same step with the torch op for the masks, and
+  whether its result is bitwise the same (``torch_kernel_identical``);
 * ``repeat_identical``: two device steps on the same inputs give bitwise the same result
   (torch does not promise it for a floating-point ``cumsum`` on CUDA);
 * ``host_path_ms``: the old controller's path (before issue 36): rows ``.cpu()`` and the numpy
@@ -177,6 +179,18 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
         cell["mask_kernel_note"] = why
     cell["dead_row_died"] = bool(tokens[0] == -1 and incr[0] == -math.inf)
     cell["padding_never_drawn"] = bool(all(tok < vocab for tok in tokens))
+    if cell["path"] == "dense":  # the torch op instead of xgrammar's kernel: time, and the same bytes?
+        tt = []
+        for r in range(args.warmup + max(1, args.reps // 2)):
+            work = rows.clone()
+            sync(device)
+            t0 = time.perf_counter()
+            ttok, tinc = step.to_host(*step.propose(work, bits, u, t, width=vocab, kernel="torch"))
+            sync(device)
+            if r >= args.warmup:
+                tt.append(time.perf_counter() - t0)
+        cell["step_ms_torch_kernel"] = round(1000 * statistics.median(tt), 4)
+        cell["torch_kernel_identical"] = bool(ttok == tokens and tinc.tobytes() == incr.tobytes())
     # the same inputs again: bitwise the same?
     work = rows.clone()
     tokens2, incr2 = once()
@@ -215,7 +229,8 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
     if host_times:
         cell["host_path_token_mismatch"] = sum(old[k][0] != tokens[k] for k in range(m))
     cell["ok"] = bool(cell["dead_row_died"] and cell["padding_never_drawn"] and cell["token_mismatch_not_tie"] == 0
-                      and cell["finite_mismatch"] == 0 and cell["max_rel_err"] <= REL_TOL)
+                      and cell["finite_mismatch"] == 0 and cell["max_rel_err"] <= REL_TOL
+                      and cell.get("torch_kernel_identical", True))
     return cell
 
 
