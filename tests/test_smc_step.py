@@ -209,3 +209,74 @@ def test_gpu_controller_check_runs_on_the_cpu(tmp_path):
             assert key in cell, key
         assert cell["dead_row_died"] and cell["padding_never_drawn"] and cell["bytes_to_host"] == 16 * cell["m"]
     assert {c["path"] for c in res["cells"]} == {"dense", "gather"}
+
+
+# ------------------------------------------------------------------------------ in the controller
+def _mock(**kw):
+    from genlm_vlm import MockAsyncLM
+
+    return MockAsyncLM(seed=1, **kw)
+
+
+def _fingerprint(result) -> list:
+    return [(p.token_ids, p.log_weight, p.status) for p in result.particles]
+
+
+def test_a_token_mask_may_return_a_bitmask():
+    """The same run whether the mask function returns bool [m, V], an int32 bitmask (numpy or
+    torch) or a bool tensor; a wrong shape is refused with the shapes it accepts."""
+    from genlm_vlm.smc import TokenMask
+
+    lm = _mock()
+    v = lm.vocab_size
+    allow = np.zeros(v, dtype=bool)
+    allow[[3, 5, 8, 13, 21, 34, 55]] = True
+    allow[lm.tokenizer.eos_token_id] = True
+    bits = S.pack(allow[None, :])
+
+    def as_bool(gens):
+        out = np.repeat(allow[None, :], len(gens), axis=0)
+        for k, g in enumerate(gens):  # state-dependent: no token twice in a row
+            if g:
+                out[k, g[-1]] = False
+        return out
+
+    variants = {
+        "bool": as_bool,
+        "bits numpy": lambda gens: S.pack(as_bool(gens)).numpy(),
+        "bits torch": lambda gens: S.pack(as_bool(gens)),
+        "bool torch": lambda gens: torch.from_numpy(as_bool(gens)),
+    }
+    runs = {k: lm.smc_sync([1, 2], TokenMask(fn, k), 10, 8, seed=4, ess_threshold=0.8) for k, fn in variants.items()}
+    base = _fingerprint(runs["bool"])
+    assert all(_fingerprint(r) == base for r in runs.values())
+    assert all(set(p.token_ids) <= set(np.flatnonzero(allow)) for p in runs["bool"].particles)
+    with pytest.raises(ValueError, match=rf"bool \[1, {v}\] or an int32 bitmask \[1, {S.words(v)}\]"):
+        lm.smc_sync([1, 2], TokenMask(lambda g: np.repeat(bits.numpy()[:, :-1], len(g), 0)), 4, 4)
+    lm.cleanup()
+
+
+def test_a_seeded_run_is_the_same_whatever_the_thread_count_and_never_draws_padding():
+    """A whole seeded run (MockAsyncLM: its rows do not depend on threads) gives the same bytes
+    with 1 and 2 torch threads; a mask that allows every column never draws the padding columns
+    (the model's width past its vocabulary), and the stats report the step's costs."""
+    from genlm_vlm.smc import TokenMask
+
+    byte_vocab = [b""] + [bytes([c]) for c in range(97, 123)] + [b"<eos>"]
+    lm = _mock(byte_vocab=byte_vocab, eos_token_id=len(byte_vocab) - 1, vocab_size=64)
+    everything = TokenMask(lambda g: np.ones((len(g), 64), dtype=bool), "everything")
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            runs.append(lm.smc_sync([1], everything, 16, 10, seed=9, ess_threshold=0.7))
+    finally:
+        torch.set_num_threads(before)
+    assert _fingerprint(runs[0]) == _fingerprint(runs[1]) == _fingerprint(runs[2])
+    assert all(t < len(byte_vocab) for r in runs for p in r.particles for t in p.token_ids)
+    stats = runs[0].stats
+    for key in ("mask_s", "mask_ms_per_step", "step_ms_per_step", "controller_s"):
+        assert stats[key] >= 0, key
+    assert stats["mask_s"] <= stats["controller_s"]
+    lm.cleanup()
