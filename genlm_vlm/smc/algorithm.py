@@ -186,7 +186,7 @@ class SMCController(Controller):
         rows = torch.as_tensor(rows)
         if self.device is not None and rows.device != self.device:
             rows = rows.to(self.device)
-        bits = self.constraint.bitmasks([self.states[i] for i in particles])
+        bits = self._bitmasks(particles)
         t1 = time.perf_counter()
         self.mask_seconds += t1 - t0
         u = self.rng.random(m)  # one per live particle, in particle order, whatever the path
@@ -196,6 +196,19 @@ class SMCController(Controller):
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         return Decision(out, parents)
+
+    def _bitmasks(self, particles: Sequence[int]) -> Any:
+        """The constraint's bitmasks for ``particles``, filled once per distinct token history
+        (resampled copies share theirs: a state is a function of the tokens)."""
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(self.tokens[i]), len(first)) for i in particles]
+        if len(first) == len(index):
+            return self.constraint.bitmasks([self.states[i] for i in particles])
+        reps: dict[int, int] = {}
+        for i, k in zip(particles, index, strict=True):
+            reps.setdefault(k, i)
+        unique = self.constraint.bitmasks([self.states[reps[k]] for k in range(len(first))])
+        return unique[torch.as_tensor(index)]
 
     def _apply(self, i: int, token: int, incr: float) -> int | None:
         """Particle ``i`` takes its proposed token (``-1``: it dies); returns what the runner

@@ -48,7 +48,7 @@ import torch
 #: Below this temperature the proposal is the point mass on the best allowed token.
 GREEDY_BELOW = 1e-5
 #: The gather path runs when the densest row allows at most ``width / GATHER_DENSITY`` tokens.
-GATHER_DENSITY = 16
+GATHER_DENSITY = 8
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
@@ -237,10 +237,12 @@ def _weights(vals: torch.Tensor, t: float, alive: torch.Tensor, top: torch.Tenso
     the row's max of ``vals / t`` (0 for dead rows)."""
     ztop = top.double() if t == 1.0 else top.double() / t
     ztop = torch.where(alive, ztop, torch.zeros_like(ztop))
-    z = vals.to(torch.float64)
-    if t != 1.0:
+    if t == 1.0:
+        z = torch.sub(vals, ztop[:, None])  # float32 - float64: computed (exactly upcast) in float64
+    else:
+        z = vals.to(torch.float64)
         z.div_(t)
-    z.sub_(ztop[:, None])
+        z.sub_(ztop[:, None])
     return z.exp_(), ztop
 
 
