@@ -163,6 +163,7 @@ def test_pack_unpack_roundtrip_and_bad_input():
     mask = rng.random((5, 77)) < 0.5
     bits = S.pack(mask)
     assert bits.dtype == torch.int32 and bits.shape == (5, 3)
+    assert torch.equal(bits, S.pack(torch.from_numpy(mask)))  # numpy's packing == the torch op's
     assert np.array_equal(S.unpack(bits, 77).numpy(), mask)
     assert list(S.popcounts(bits)) == list(mask.sum(1))
     rows = torch.zeros(5, 77)

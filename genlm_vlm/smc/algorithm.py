@@ -30,14 +30,15 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .constraints import BoundConstraint, usable_width
 from .controller import Controller, Decision, Tokens
-from .step import propose, to_host
+
+if TYPE_CHECKING:  # torch and the step are imported where used: importing genlm_vlm.smc stays light
+    import torch
 
 RESAMPLING = ("multinomial", "stratified", "systematic")
 
@@ -173,12 +174,18 @@ class SMCController(Controller):
         self.rows = 0
         self.seconds = 0.0
         self.mask_seconds = 0.0
+        import torch
+
         self.device = None if device is None else torch.device(device)
         #: Columns that can ever be allowed (the rest is the logit matrix's padding): never read.
         self.width = usable_width(byte_vocab, self.eos)
 
     # ------------------------------------------------------------------ one step
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:
+        import torch
+
+        from .step import propose, to_host
+
         t0 = time.perf_counter()
         self.steps += 1
         m = len(particles)
@@ -208,7 +215,7 @@ class SMCController(Controller):
         for i, k in zip(particles, index, strict=True):
             reps.setdefault(k, i)
         unique = self.constraint.bitmasks([self.states[reps[k]] for k in range(len(first))])
-        return unique[torch.as_tensor(index)]
+        return unique[index]
 
     def _apply(self, i: int, token: int, incr: float) -> int | None:
         """Particle ``i`` takes its proposed token (``-1``: it dies); returns what the runner

@@ -25,12 +25,18 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from . import step as _step
+if TYPE_CHECKING:  # torch is imported where used: importing genlm_vlm.smc stays light
+    import torch
+
+
+def _pack(mask: Any) -> torch.Tensor:
+    from .step import pack
+
+    return pack(mask)
 
 
 class ConstraintError(ValueError):
@@ -56,7 +62,7 @@ class BoundConstraint(ABC):
         (xgrammar's bitmask layout). Default: :meth:`masks`, packed."""
         if type(self).masks is BoundConstraint.masks:
             raise NotImplementedError(f"{type(self).__name__} must implement bitmasks() or masks()")
-        return _step.pack(np.asarray(self.masks(states), dtype=bool))
+        return _pack(np.asarray(self.masks(states), dtype=bool))
 
     def masks(self, states: Sequence[Any]) -> np.ndarray:
         """Bool ``[len(states), V]`` (numpy): the tokens allowed next in each state. Default:
@@ -140,7 +146,7 @@ class _Compiled(BoundConstraint):
         self._compiled = compiled
         self.width = width
         self._usable = usable
-        self._usable_bits = _step.pack(usable[None, :])[0]
+        self._usable_bits = _pack(usable[None, :])[0]
         self._words = (width + 31) // 32
         self._batch = xgr.BatchGrammarMatcher()
         self.seconds = 0.0
@@ -154,6 +160,8 @@ class _Compiled(BoundConstraint):
         return self._xgr.GrammarMatcher(self._compiled)
 
     def bitmasks(self, states: Sequence[Any]) -> torch.Tensor:
+        import torch
+
         t0 = time.perf_counter()
         m = len(states)
         bits = torch.zeros((m, self._words), dtype=torch.int32)
@@ -284,19 +292,23 @@ class _BoundMask(BoundConstraint):
         return ()
 
     def bitmasks(self, states: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        import torch
+
         t0 = time.perf_counter()
         out = self.fn(list(states))
         m, words = len(states), (self.width + 31) // 32
-        t = out if torch.is_tensor(out) else torch.as_tensor(np.asarray(out))
-        if t.dim() == 2 and t.shape[0] == m and t.dtype == torch.bool and t.shape[1] == self.width:
-            bits = _step.pack(t).cpu()
-        elif t.dim() == 2 and t.shape[0] == m and t.dtype == torch.int32 and t.shape[1] == words:
-            bits = t.detach().cpu().clone()
-        else:
+        t = out.detach() if torch.is_tensor(out) else np.asarray(out)
+        dtype = str(t.dtype).replace("torch.", "")
+        bits = None
+        if t.ndim == 2 and t.shape[0] == m:
+            if dtype == "bool" and t.shape[1] == self.width:
+                bits = _pack(t).cpu()
+            elif dtype == "int32" and t.shape[1] == words:
+                bits = t.cpu().clone() if torch.is_tensor(t) else torch.from_numpy(np.array(t))
+        if bits is None:
             raise ValueError(
-                f"{self.what} returned an array of dtype {str(t.dtype).replace('torch.', '')} and shape "
-                f"{tuple(t.shape)}; it must return bool [{m}, {self.width}] or an int32 bitmask "
-                f"[{m}, {words}] (one row per particle)"
+                f"{self.what} returned an array of dtype {dtype} and shape {tuple(t.shape)}; it must return "
+                f"bool [{m}, {self.width}] or an int32 bitmask [{m}, {words}] (one row per particle)"
             )
         self.seconds += time.perf_counter() - t0
         return bits

@@ -67,6 +67,15 @@ def words(width: int) -> int:
 def pack(mask: Any) -> torch.Tensor:
     """Bool ``[m, V]`` (numpy array or tensor, any device) -> bitmask ``int32 [m, ceil(V/32)]``
     on the same device (bit ``j % 32`` of word ``j // 32`` is token ``j``)."""
+    if isinstance(mask, np.ndarray):  # on the host: numpy packs it (no copy into torch first)
+        if mask.dtype != np.bool_ or mask.ndim != 2:
+            raise ValueError(f"pack() needs a bool [m, V] mask, got {mask.dtype} of shape {mask.shape}")
+        m, v = mask.shape
+        packed = np.packbits(mask, axis=1, bitorder="little")
+        w = words(v)
+        if packed.shape[1] != 4 * w:
+            packed = np.pad(packed, ((0, 0), (0, 4 * w - packed.shape[1])))
+        return torch.from_numpy(np.ascontiguousarray(packed).view("<i4").reshape(m, w))
     t = torch.as_tensor(mask)
     if t.dtype != torch.bool or t.dim() != 2:
         raise ValueError(f"pack() needs a bool [m, V] mask, got {t.dtype} of shape {tuple(t.shape)}")
