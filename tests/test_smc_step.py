@@ -186,6 +186,12 @@ def test_the_torch_mask_kernel_equals_xgrammars():
     assert S.apply_bitmask(b, bits[:, : S.words(290)].contiguous(), 290, kernel="torch") == "torch"
     assert used in ("xgrammar", "torch")
     assert torch.equal(a, b) and torch.equal(a[:, 290:], rows[:, 290:])
+    # float64 rows (xgrammar's kernels take 16/32-bit floats): the torch op, and xgrammar stays in use
+    d = rows.double()
+    assert S.apply_bitmask(d, bits[:, : S.words(290)].contiguous(), 290) == "torch"
+    assert torch.equal(d, a.double())
+    if used == "xgrammar":
+        assert S.mask_kernel_error("cpu") is None and S.mask_kernel("cpu") == "xgrammar"
 
 
 def test_importing_the_step_imports_neither_vllm_nor_transformers():

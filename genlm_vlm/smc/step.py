@@ -53,6 +53,7 @@ GATHER_DENSITY = 8
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 _kernel_lock = threading.Lock()
+_XGR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what xgrammar's kernels take
 _xgr_apply: Any = None  # xgrammar's apply_token_bitmask_inplace, once imported
 _xgr_failed: dict[str, str] = {}  # device type -> why xgrammar's kernel is not used there
 
@@ -148,7 +149,7 @@ def apply_bitmask(x: torch.Tensor, bits: torch.Tensor, width: int, kernel: str =
     columns at or past ``width`` are not touched. Returns the kernel used (see
     :func:`mask_kernel`); ``kernel="torch"`` forces the torch op."""
     dtype = x.device.type
-    fn = None if kernel == "torch" else _xgrammar_apply(dtype)
+    fn = None if kernel == "torch" or x.dtype not in _XGR_DTYPES else _xgrammar_apply(dtype)
     if fn is not None:
         try:
             fn(x, bits, vocab_size=width)
