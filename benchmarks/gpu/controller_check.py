@@ -155,7 +155,7 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
     u = rng.random(m)
     rows = make_rows(m, vocab, width, device, args.seed + m)
     counts = step.popcounts(bits)
-    cell["path"] = "gather" if int(counts.max()) * step.GATHER_DENSITY <= vocab else "dense"
+    cell["path"] = step.choose_path(counts, vocab, device)
     cell["bytes_to_device"] = int(bits[:, : step.words(vocab)].numel() * 4 + m * 8)
     cell["bytes_to_host"] = 16 * m
 

@@ -26,10 +26,10 @@ deterministic, and results agree with the CPU's within float tolerance (benchmar
 controller_check.py measures both).
 
 Two paths give the same result up to float round-off, chosen by the masks' density (not by
-``m x V``): *dense* (the densest row allows more than ``width / GATHER_DENSITY`` tokens) applies the
-bitmask to the rows in place (xgrammar's ``apply_token_bitmask_inplace`` where xgrammar is
-installed, else an equal torch op) and works over the full usable width; *gather* unpacks the set
-bits only and works over each row's allowed tokens (a ``[m, max allowed]`` buffer).
+``m x V``; :func:`choose_path`): *dense* applies the bitmask to the rows in place (xgrammar's
+``apply_token_bitmask_inplace`` where xgrammar is installed, else an equal torch op) and works over
+the full usable width; *gather* picks each row's allowed entries and works over them (a
+``[m, most allowed]`` buffer).
 
 This module imports torch and numpy only (xgrammar lazily, for its mask kernel): the GPU check
 (benchmarks/gpu/controller_check.py) runs it without vLLM or transformers installed.
@@ -47,8 +47,11 @@ import torch
 
 #: Below this temperature the proposal is the point mass on the best allowed token.
 GREEDY_BELOW = 1e-5
-#: The gather path runs when the densest row allows at most ``width / GATHER_DENSITY`` tokens.
+#: The gather path runs when the densest row allows at most ``width / GATHER_DENSITY`` tokens
+#: (``GATHER_DENSITY_CPU`` on the CPU: measured crossovers near 1/8 of the width on the GPU path's
+#: kernel count, near 0.6 on this project's CPU, m = 32-128, 32,768 columns).
 GATHER_DENSITY = 8
+GATHER_DENSITY_CPU = 2
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
@@ -93,6 +96,9 @@ def unpack(bits: Any, width: int) -> torch.Tensor:
     """Bitmask ``int32 [m, W]`` -> bool ``[m, width]`` on the same device."""
     b = torch.as_tensor(bits)
     m = b.shape[0]
+    if b.device.type == "cpu":  # numpy's unpacking is one fast pass
+        a = np.ascontiguousarray(b.numpy()).view(np.uint8).reshape(m, -1)
+        return torch.from_numpy(np.unpackbits(a, axis=1, bitorder="little")[:, :width].view(bool))
     out = ((b[:, :, None] >> _shifts(b.device)) & 1).bool().view(m, -1)
     return out[:, :width]
 
@@ -219,12 +225,20 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
     if m == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
     if path == "auto":
-        path = "gather" if int(np.max(counts)) * GATHER_DENSITY <= width else "dense"
+        path = choose_path(counts, width, device)
     if path == "dense":
         return _dense(rows, b, u, t, width, kernel)
     if path == "gather":
         return _gather(rows, b, u, t, width, counts)
     raise ValueError(f"path must be 'auto', 'dense' or 'gather', got {path!r}")
+
+
+def choose_path(counts: Any, width: int, device: Any) -> str:
+    """``"gather"`` when the densest row allows at most ``width / GATHER_DENSITY`` tokens
+    (``GATHER_DENSITY_CPU`` on the CPU), else ``"dense"``: a function of the masks and the device
+    only, so every run of the same step takes the same path."""
+    limit = GATHER_DENSITY_CPU if torch.device(device).type == "cpu" else GATHER_DENSITY
+    return "gather" if int(np.max(counts)) * limit <= width else "dense"
 
 
 def _draw(cum: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,18 +256,32 @@ def _finish(alive: torch.Tensor, j: torch.Tensor, incr: torch.Tensor) -> tuple[t
     return tokens, torch.where(alive, incr, torch.full_like(incr, -math.inf))
 
 
-def _weights(vals: torch.Tensor, t: float, alive: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp(vals / t - ztop)`` in float64 (in place on ``vals``' float64 copy), with ``ztop``
-    the row's max of ``vals / t`` (0 for dead rows)."""
+def _ztop(top: torch.Tensor, t: float, alive: torch.Tensor) -> torch.Tensor:
+    """The row's max of ``vals / t`` in float64 (0 for dead rows)."""
     ztop = top.double() if t == 1.0 else top.double() / t
-    ztop = torch.where(alive, ztop, torch.zeros_like(ztop))
-    if t == 1.0:
-        z = torch.sub(vals, ztop[:, None])  # float32 - float64: computed (exactly upcast) in float64
-    else:
-        z = vals.to(torch.float64)
+    return torch.where(alive, ztop, torch.zeros_like(ztop))
+
+
+def _cumulative(vals: torch.Tensor, t: float, ztop: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cumsum(exp(vals / t - ztop))`` per row, float64 (into ``out`` if given)."""
+    z = vals.to(torch.float64) if out is None else out.copy_(vals)  # exact upcast (a mixed-dtype op is slower)
+    if t != 1.0:
         z.div_(t)
-        z.sub_(ztop[:, None])
-    return z.exp_(), ztop
+    z.sub_(ztop[:, None])
+    return z.exp_().cumsum_(dim=1)
+
+
+#: On the CPU the dense path works through the rows in chunks of about this many float64 entries
+#: (a buffer that stays in cache and is allocated once per thread), not one ``[m, width]`` buffer.
+CPU_CHUNK = 1 << 19
+_workspace = threading.local()
+
+
+def _buffer(n: int) -> torch.Tensor:
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _workspace.buf = torch.empty(n, dtype=torch.float64)
+    return buf[:n]
 
 
 def _incr(xj: torch.Tensor, t: float, ztop: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
@@ -272,38 +300,56 @@ def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, wi
     if t < GREEDY_BELOW:
         j = x.argmax(dim=1)
         return _finish(alive, j, x.gather(1, j[:, None]).squeeze(1).to(torch.float64))
-    e, ztop = _weights(x, t, alive, top)
-    cum = e.cumsum_(dim=1)
-    j, tot = _draw(cum, u)
+    ztop = _ztop(top, t, alive)
+    m = x.shape[0]
+    if x.device.type != "cpu":
+        j, tot = _draw(_cumulative(x, t, ztop), u)
+    else:  # row chunks through one cached buffer: no m x width float64 allocation per step
+        step = max(1, CPU_CHUNK // width)
+        j = torch.empty(m, dtype=torch.int64)
+        tot = torch.empty(m, dtype=torch.float64)
+        for r0 in range(0, m, step):
+            r1 = min(m, r0 + step)
+            out = _buffer((r1 - r0) * width).view(r1 - r0, width)
+            j[r0:r1], tot[r0:r1] = _draw(_cumulative(x[r0:r1], t, ztop[r0:r1], out), u[r0:r1])
     return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
+
+
+def _allowed(rows: torch.Tensor, bits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' allowed entries (float ``[K]``, row-major, ascending columns within a row) and
+    their columns (int64 ``[K]``). On the CPU the indices come from numpy (one pass each)."""
+    if rows.device.type == "cpu":
+        m, v = rows.shape
+        a = np.ascontiguousarray(bits.numpy()).view(np.uint8).reshape(m, -1)
+        keep = np.unpackbits(a, axis=1, bitorder="little")[:, :width].view(bool)
+        r, col = np.divmod(np.flatnonzero(keep), width)
+        flat = rows.contiguous().view(-1)[torch.from_numpy(r * v + col)]
+        return flat, torch.from_numpy(col)
+    keep = unpack(bits, width)
+    return rows[:, :width][keep], keep.nonzero()[:, 1]
 
 
 def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, width: int,
             counts: Any) -> tuple[torch.Tensor, torch.Tensor]:
     m = rows.shape[0]
     device = rows.device
-    c = np.asarray(counts, dtype=np.int64)
-    longest = max(int(c.max()), 1)
-    wr, wc = (bits != 0).nonzero(as_tuple=True)  # the words with a set bit, row-major
-    sel = ((bits[wr, wc][:, None] >> _shifts(device)) & 1).bool()  # [words, 32]
-    r = wr[:, None].expand(-1, 32)[sel]
-    col = (wc[:, None].long() * 32 + _shifts(device).long())[sel]  # ascending within each row
-    n = torch.as_tensor(c, dtype=torch.int64).to(device)
-    start = torch.cumsum(n, 0) - n
-    pos = torch.arange(r.numel(), device=device) - start[r]
-    vals = torch.full((m, longest), -math.inf, dtype=torch.float32, device=device)
-    cols = torch.zeros((m, longest), dtype=torch.int64, device=device)
-    vals[r, pos] = rows[r, col]
-    cols[r, pos] = col
+    c = [int(k) for k in np.asarray(counts, dtype=np.int64)]
+    flat, col = _allowed(rows, bits, width)  # the allowed entries, row-major, ascending columns in a row
+    if max(c, default=0) == 0:  # nothing allowed anywhere: every row dies
+        flat = torch.full((m,), -math.inf, device=device)
+        col = torch.zeros(m, dtype=torch.int64, device=device)
+        c = [1] * m
+    pad = torch.nn.utils.rnn.pad_sequence
+    vals = pad(list(torch.split(flat, c)), batch_first=True, padding_value=-math.inf)  # [m, most allowed]
+    cols = pad(list(torch.split(col, c)), batch_first=True, padding_value=0)
     top = vals.amax(dim=1)
     alive = top > -math.inf
     if t < GREEDY_BELOW:
         j = vals.argmax(dim=1)
         tok = cols.gather(1, j[:, None]).squeeze(1)
         return _finish(alive, tok, vals.gather(1, j[:, None]).squeeze(1).to(torch.float64))
-    e, ztop = _weights(vals, t, alive, top)
-    cum = e.cumsum_(dim=1)
-    j, tot = _draw(cum, u)
+    ztop = _ztop(top, t, alive)
+    j, tot = _draw(_cumulative(vals, t, ztop), u)
     tok = cols.gather(1, j[:, None]).squeeze(1)
     return _finish(alive, tok, _incr(vals.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
 
