@@ -286,3 +286,56 @@ def test_a_seeded_run_is_the_same_whatever_the_thread_count_and_never_draws_padd
         assert stats[key] >= 0, key
     assert stats["mask_s"] <= stats["controller_s"]
     lm.cleanup()
+
+
+def test_masks_are_asked_once_per_distinct_history():
+    """Resampled copies share their history: the mask function sees each history once a step."""
+    from genlm_vlm.smc import TokenMask
+
+    lm = _mock()
+    calls = []
+
+    def fn(gens):
+        calls.append(list(gens))
+        out = np.zeros((len(gens), lm.vocab_size), dtype=bool)
+        out[:, 3:40] = True  # no EOS: every particle runs to max_tokens
+        return out
+
+    r = lm.smc_sync([1, 2], TokenMask(fn, "some"), 16, 8, seed=2, ess_threshold=1.0)
+    assert r.resamples >= 3
+    steps = calls[1:]  # the first call is bind's check of the empty prefix
+    assert all(len(set(c)) == len(c) for c in steps)
+    assert sum(len(c) for c in steps) < r.stats["rows"]  # copies shared a call's row
+    lm.cleanup()
+
+
+def test_a_bound_constraint_may_implement_masks_or_bitmasks():
+    from genlm_vlm.smc.constraints import BoundConstraint, unpack_bits, usable_width
+
+    class OnlyMasks(BoundConstraint):
+        width = 40
+
+        def initial(self):
+            return ()
+
+        def masks(self, states):
+            out = np.zeros((len(states), 40), dtype=bool)
+            out[:, [1, 33, 39]] = True
+            return out
+
+        def advance(self, state, token):
+            return state
+
+        def copy(self, state):
+            return state
+
+    class Neither(OnlyMasks):
+        masks = BoundConstraint.masks
+
+    bits = OnlyMasks().bitmasks([(), ()])
+    assert bits.dtype == torch.int32 and bits.shape == (2, 2)
+    assert np.array_equal(unpack_bits(bits, 40), OnlyMasks().masks([(), ()]))
+    with pytest.raises(NotImplementedError, match="must implement bitmasks"):
+        Neither().bitmasks([()])
+    assert usable_width([b"a", b"", b"bc", b"", b""], [0]) == 3
+    assert usable_width([b"a", b"", b"", b"", b""], [3]) == 4  # EOS with no bytes counts
