@@ -170,6 +170,10 @@ def test_pack_unpack_roundtrip_and_bad_input():
         S.propose(rows, bits.long(), np.zeros(5))
     with pytest.raises(ValueError, match="uniforms must hold 5"):
         S.propose(rows, bits, np.zeros(4))
+    with pytest.raises(ValueError, match=r"uniforms must be numbers in \[0, 1\)"):
+        S.propose(rows, bits, np.array([0.1, 0.2, -0.1, 0.3, 0.4]))
+    with pytest.raises(ValueError, match=r"uniforms must be numbers in \[0, 1\)"):
+        S.propose(rows, bits, np.array([0.1, 0.2, np.nan, 0.3, 1.0]))
     with pytest.raises(ValueError, match="width"):
         S.propose(rows, bits, np.zeros(5), width=78)
     with pytest.raises(ValueError, match="temperature"):

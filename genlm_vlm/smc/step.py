@@ -222,6 +222,8 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
                         dtype=torch.float64).to(device)
     if u.shape != (m,):
         raise ValueError(f"uniforms must hold {m} numbers, got shape {tuple(u.shape)}")
+    if m and not bool(((u >= 0) & (u < 1)).all()):  # a target outside the mass could land on a masked token
+        raise ValueError("uniforms must be numbers in [0, 1)")
     if m == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
     if path == "auto":
