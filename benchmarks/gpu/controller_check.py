@@ -160,7 +160,7 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
     cell["bytes_to_host"] = 16 * m
 
     def once() -> tuple[list[int], np.ndarray]:
-        return step.to_host(*step.propose(work, bits, u, t, width=vocab))
+        return step.to_host(*step.propose(work, bits, u, t, width=vocab, kernel=args.kernel))
 
     times = []
     for r in range(args.warmup + args.reps):
@@ -173,13 +173,14 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
             times.append(time.perf_counter() - t0)
     cell["step_ms"] = round(1000 * statistics.median(times), 4)
     cell["step_ms_min"] = round(1000 * min(times), 4)
-    cell["mask_kernel"] = step.mask_kernel(device) if cell["path"] == "dense" else "none (gather path)"
+    cell["mask_kernel"] = ("none (gather path)" if cell["path"] != "dense"
+                           else "torch" if args.kernel == "torch" else step.mask_kernel(device))
     why = step.mask_kernel_error(device)
     if why:
         cell["mask_kernel_note"] = why
     cell["dead_row_died"] = bool(tokens[0] == -1 and incr[0] == -math.inf)
     cell["padding_never_drawn"] = bool(all(tok < vocab for tok in tokens))
-    if cell["path"] == "dense":  # the torch op instead of xgrammar's kernel: time, and the same bytes?
+    if cell["path"] == "dense" and args.kernel != "torch":  # the torch op instead: time, and the same bytes?
         tt = []
         for r in range(args.warmup + max(1, args.reps // 2)):
             work = rows.clone()
@@ -200,7 +201,7 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
     values = rows_cpu.numpy().copy()
     if device.type != "cpu":
         t0 = time.perf_counter()
-        ctok, cinc = step.to_host(*step.propose(rows_cpu.clone(), bits, u, t, width=vocab))
+        ctok, cinc = step.to_host(*step.propose(rows_cpu.clone(), bits, u, t, width=vocab, kernel=args.kernel))
         cell["cpu_step_ms"] = round(1000 * (time.perf_counter() - t0), 3)
     else:
         ctok, cinc = step.to_host(*step.propose(rows_cpu.clone(), bits, u, t, width=vocab, path=(
@@ -247,12 +248,15 @@ def write_json(out: pathlib.Path, result: dict[str, Any]) -> None:
         print(f"controller_check: could not write the JSON: {e!r}", flush=True)
 
 
-def environment(device: torch.device, how: str) -> dict[str, Any]:
+def environment(device: torch.device, how: str, kernel: str) -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "step_module": how,
                            "device": str(device), "cpu_threads": torch.get_num_threads()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
+    if kernel == "torch":
+        env["xgrammar"] = "not used (--kernel torch)"
+        return env
     try:
         import xgrammar
 
@@ -294,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-reps", type=int, default=3)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel", choices=["auto", "torch"], default="auto",
+                   help="the dense path's mask kernel: auto (xgrammar's where it imports) or torch (never import xgrammar)")
     p.add_argument("--budget-s", type=float, default=150.0, help="skip the old host path's timing past this")
     args = p.parse_args(argv)
     if args.vocab is None:
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = torch.device(args.device)
         step, how = load_step()
-        result["environment"] = environment(device, how)
+        result["environment"] = environment(device, how, args.kernel)
     except Exception as e:  # noqa: BLE001 - record and stop: nothing can run
         result["error"] = traceback.format_exc()
         write_json(out, result)
