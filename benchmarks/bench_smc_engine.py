@@ -27,7 +27,16 @@ alternate, the order rotating per repetition, after one warm-up each). Also reco
 controller's and the constraint's seconds per step, rounds; distinct final texts.
 
 Models (random weights, built locally by ``genlm_vlm.testing.tiny_model_path``): ``6-layer``
-(``llama-2k-mid``) and ``qwen2-0.5b`` (``qwen2-0.5b-shape``: Qwen2-0.5B's shape, 151,936 columns).
+(``llama-2k-mid``), ``6-layer-32k`` (``llama-2k-32kcols-mid``: the same model with 32,768 logit
+columns over its 2,048-token tokenizer, the rest zeroed padding) and ``qwen2-0.5b``
+(``qwen2-0.5b-shape``: Qwen2-0.5B's shape, 151,936 columns over a 32k tokenizer).
+
+Constraints: ``regex`` (``[a-z ]+``), ``json`` (a two-field object) and ``steady``
+(``[a-z ]{1000}`` with ``ess_threshold=0``: no particle can finish before T and none is resampled,
+so every step has N live, distinct particles; genlm-control is not run there). The table shows
+the live particles per step, the distinct final texts, and the controller's cost per step: masks
+(``mask_ms_per_step``), the rest (``step_ms_per_step``: the proposal on the rows' device and the
+bookkeeping) and its share of the run's wall time.
 
     .venv/bin/python benchmarks/bench_smc_engine.py --models 6-layer --n 32 128 --t 24 64
     .venv/bin/python benchmarks/bench_smc_engine.py --quick
@@ -55,18 +64,25 @@ if str(_HERE.parent) not in sys.path:
 
 ENGINE_OPTS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "block_size": 32,
                                "kv_cache_memory_bytes": 1536 << 20, "seed": 0}
-MODELS = {"6-layer": "llama-2k-mid", "qwen2-0.5b": "qwen2-0.5b-shape"}
+MODELS = {"6-layer": "llama-2k-mid", "6-layer-32k": "llama-2k-32kcols-mid", "qwen2-0.5b": "qwen2-0.5b-shape"}
 PROMPT = '"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps over the lazy dog and'
 REGEX = r"[a-z ]+"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
+#: No particle can finish within the benchmark's T (tokens here have at most a few dozen bytes).
+STEADY = r"[a-z ]{1000}"
 SYSTEMS = ("engine", "python", "control", "decode", "structured")
+CONSTRAINTS = ("regex", "json", "steady")
 
 
 def _constraint(kind: str) -> Any:
     from genlm_vlm.smc import JSONSchema, Regex
 
-    return Regex(REGEX) if kind == "regex" else JSONSchema(SCHEMA)
+    return JSONSchema(SCHEMA) if kind == "json" else Regex(STEADY if kind == "steady" else REGEX)
+
+
+def _ess(kind: str) -> float:
+    return 0.0 if kind == "steady" else 0.5
 
 
 class Bench:
@@ -104,7 +120,8 @@ class Bench:
         lm.release_sessions()
         before = lm.stats
         t0 = time.perf_counter()
-        r = self.loop.run_until_complete(lm.smc(self.prompt, _constraint(kind), n, t, seed=seed, in_engine=in_engine))
+        r = self.loop.run_until_complete(lm.smc(self.prompt, _constraint(kind), n, t, seed=seed, in_engine=in_engine,
+                                                ess_threshold=_ess(kind)))
         wall = time.perf_counter() - t0
         after = lm.stats
         steps = r.stats["steps"]
@@ -116,6 +133,8 @@ class Bench:
             "forks_copied": after["forks"]["copied"] - before["forks"]["copied"],
             "controller_ms_per_step": 1e3 * r.stats["controller_s"] / max(1, steps),
             "constraint_ms_per_step": 1e3 * r.stats["constraint_s"] / max(1, steps),
+            "mask_ms_per_step": r.stats["mask_ms_per_step"], "step_ms_per_step": r.stats["step_ms_per_step"],
+            "controller_share": r.stats["controller_s"] / wall, "live_per_step": r.stats["rows"] / max(1, steps),
             "engine_step_s": after["engine_time"]["step_s"] - before["engine_time"]["step_s"],
             "engine_idle_s": after["engine_time"]["idle_s"] - before["engine_time"]["idle_s"],
             "fingerprint": [(p.token_ids, p.log_weight) for p in r.particles],
@@ -169,7 +188,8 @@ class Bench:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
 
-        so = StructuredOutputsParams(regex=REGEX) if kind == "regex" else StructuredOutputsParams(json=SCHEMA)
+        so = (StructuredOutputsParams(json=SCHEMA) if kind == "json"
+              else StructuredOutputsParams(regex=STEADY if kind == "steady" else REGEX))
         params = [SamplingParams(max_tokens=t, temperature=1.0, detokenize=False, seed=seed * 1000 + i,
                                  structured_outputs=so) for i in range(n)]
         prompts = [TokensPrompt(prompt_token_ids=list(self.prompt)) for _ in range(n)]
@@ -186,7 +206,8 @@ class Bench:
 
 def measure(bench: Bench, kind: str, n: int, t: int, reps: int, control_json_max_n: int = 32) -> dict[str, Any]:
     systems = [s for s in SYSTEMS if s in bench.systems]
-    if kind == "json" and n > control_json_max_n:  # genlm-control's JsonSchema: ~100x slower than ours at N = 32
+    if (kind == "json" and n > control_json_max_n) or kind == "steady":
+        # genlm-control's JsonSchema: ~100x slower than ours at N = 32; steady: vLLM baselines only
         systems = [s for s in systems if s != "control"]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for s in systems:  # warm-up (engine first: decode matches its rows)
@@ -210,24 +231,29 @@ def measure(bench: Bench, kind: str, n: int, t: int, reps: int, control_json_max
 
 
 def table(cells: list[dict[str, Any]]) -> str:
-    lines = ["| model | constraint | N | T | engine steps/s | engine/decode | engine/structured | engine/control | engine/python | identical | forks copied | ctl ms/step | constraint ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | constraint | N | T | engine steps/s | engine/decode | engine/structured | engine/control | "
+             "engine/python | identical | live/step | distinct | forks copied | ctl ms/step | masks ms/step | "
+             "rest ms/step | ctl share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         r, e = c["ratios"], c["systems"].get("engine", {})
 
         def f(x: Any) -> str:
             return "-" if x is None else f"{x:.2f}"
+        share = e.get("controller_share")
         lines.append(
             f"| {c['model']} | {c['constraint']} | {c['n']} | {c['t']} | {f(e.get('steps_per_s'))} | {f(r.get('engine/decode'))} | "
             f"{f(r.get('engine/structured'))} | {f(r.get('engine/control'))} | {f(r.get('engine/python'))} | {c.get('identical', '-')} | "
-            f"{e.get('forks_copied', '-')} | {f(e.get('controller_ms_per_step'))} | {f(e.get('constraint_ms_per_step'))} |")
+            f"{f(e.get('live_per_step'))} | {e.get('distinct_texts', '-')} | {e.get('forks_copied', '-')} | "
+            f"{f(e.get('controller_ms_per_step'))} | {f(e.get('mask_ms_per_step'))} | {f(e.get('step_ms_per_step'))} | "
+            f"{'-' if share is None else f'{100 * share:.1f} %'} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["6-layer", "qwen2-0.5b"], choices=list(MODELS))
-    ap.add_argument("--constraints", nargs="+", default=["regex", "json"], choices=["regex", "json"])
+    ap.add_argument("--models", nargs="+", default=["6-layer", "6-layer-32k", "qwen2-0.5b"], choices=list(MODELS))
+    ap.add_argument("--constraints", nargs="+", default=list(CONSTRAINTS), choices=list(CONSTRAINTS))
     ap.add_argument("--n", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--t", type=int, nargs="+", default=[24, 64])
     ap.add_argument("--reps", type=int, default=3)

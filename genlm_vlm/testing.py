@@ -88,6 +88,12 @@ _SPECS: dict[str, _Spec] = {
     "llama-2k-mid": _Spec(
         arch="llama", tokenizer_vocab=2048, corpus_chars=1_000_000, model_vocab=2048, hidden=512, layers=6
     ),
+    # Benchmarks only: the same 6-layer model with 32,768 logit columns over the 2,048-token
+    # tokenizer (the columns past it are zeroed padding, as in real models' padded vocabularies).
+    "llama-2k-32kcols-mid": _Spec(
+        arch="llama", tokenizer_vocab=2048, corpus_chars=1_000_000, model_vocab=32768, hidden=512, layers=6,
+        zero_padded_rows=True,
+    ),
     # Benchmarks only: Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads of dim 64, 2 KV heads,
     # MLP 4864, tied embeddings, 151,936 logit columns) with random weights and a 32k tokenizer:
     # the logit columns past the tokenizer are padding, as in the real model (~494M params).

@@ -26,6 +26,7 @@ import pytest
 from genlm_vlm.smc import ConstraintError, Grammar, JSONSchema, Regex, TokenMask
 from genlm_vlm.smc.algorithm import ancestors
 from genlm_vlm.smc.controller import Decision, ParticleSet
+from genlm_vlm.smc.step import pack
 
 PROMPT = "def main():\n    return"
 #: A small finite language over the tiny tokenizers' tokens ('on', 'se', 'er', ' i' are tokens).
@@ -157,6 +158,16 @@ def test_custom_mask_function(llama_lm):
     assert all(b"e" not in p.text for p in r.particles)
     assert seen and max(seen) <= 8
     assert r.stats["constraint_s"] > 0
+    # the same mask as an int32 bitmask (xgrammar's layout): the same run, in the engine and in Python
+    bits = pack(no_e[None, :]).numpy()
+
+    def mask_bits(generated):
+        return np.repeat(bits, len(generated), axis=0)
+
+    eng = lm.smc_sync(_prompt(lm), TokenMask(mask_bits, "lipogram bits"), 8, 12, seed=2)
+    ref = lm.smc_sync(_prompt(lm), TokenMask(mask_bits, "lipogram bits"), 8, 12, seed=2, in_engine=False)
+    assert _fingerprint(eng) == _fingerprint(ref) == _fingerprint(r)
+    assert eng.stats["mask_ms_per_step"] >= 0 and eng.stats["step_ms_per_step"] > 0
 
 
 async def test_same_result_whatever_runs_beside(llama_lm):

@@ -16,10 +16,12 @@ a particle is still live, the particles are resampled (``"multinomial"``, ``"str
 (``log Z``, the probability that a sequence from the model satisfies the constraint) stays
 unbiased in ``Z``.
 
-The arithmetic is numpy ``float64`` on one thread (all rows at once over the full width when
-they are few and narrow, else each row over its allowed tokens): the result depends on the rows,
-the constraint and the seed, nothing else (not on the thread, the batch, or whether the run is in
-the engine or in Python).
+The proposal runs where the rows are (:mod:`.step`, torch: the constraint's bitmasks go to the
+rows' device, ``m`` tokens and ``m`` increments come back); the bookkeeping (weights, states,
+resampling) is numpy float64 on the host. The uniforms come from the run's numpy generator, one
+per live particle in particle order, so the result depends on the rows, the constraint, the seed
+and the device's kernels, nothing else (not on the thread, the batch, torch's thread count, or
+whether the run is in the engine or in Python).
 """
 
 from __future__ import annotations
@@ -28,19 +30,17 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .constraints import BoundConstraint
+from .constraints import BoundConstraint, usable_width
 from .controller import Controller, Decision, Tokens
 
+if TYPE_CHECKING:  # torch and the step are imported where used: importing genlm_vlm.smc stays light
+    import torch
+
 RESAMPLING = ("multinomial", "stratified", "systematic")
-#: Up to this many row entries (particles x width) a step's rows are handled together over the full
-#: width; above it each row over its allowed tokens only (sparse masks of large vocabularies).
-DENSE_LIMIT = 1 << 21
-#: Tokens per block in a dense step's search for the drawn token.
-BLOCK = 256
 
 
 @dataclass
@@ -142,11 +142,16 @@ def ancestors(weights: np.ndarray, method: str, rng: np.random.Generator) -> lis
 
 class SMCController(Controller):
     """The built-in controller (see the module docstring). Build it through
-    :meth:`~genlm_vlm.AsyncLM.smc`, which checks the arguments; one instance runs once."""
+    :meth:`~genlm_vlm.AsyncLM.smc`, which checks the arguments; one instance runs once.
+
+    ``device``: where the proposal runs (rows elsewhere are moved there); None: where each
+    step's rows are (the engine's device in a burst, ``output_device`` through
+    ``batch_next_token_logprobs``)."""
 
     def __init__(self, constraint: BoundConstraint, n_particles: int, max_tokens: int, *,
                  eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
-                 resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None) -> None:
+                 resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,
+                 device: str | torch.device | None = None) -> None:
         self.constraint = constraint
         self.n_particles = n_particles
         self.max_tokens = max_tokens
@@ -168,97 +173,57 @@ class SMCController(Controller):
         self.died_at: int | None = None
         self.rows = 0
         self.seconds = 0.0
+        self.mask_seconds = 0.0
+        import torch
+
+        self.device = None if device is None else torch.device(device)
+        #: Columns that can ever be allowed (the rest is the logit matrix's padding): never read.
+        self.width = usable_width(byte_vocab, self.eos)
 
     # ------------------------------------------------------------------ one step
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:
+        import torch
+
+        from .step import propose, to_host
+
         t0 = time.perf_counter()
         self.steps += 1
-        self.rows += len(particles)
-        if getattr(rows, "device", None) is not None and rows.device.type != "cpu":
-            rows = rows.cpu()
-        values = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
-        masks = self.constraint.masks([self.states[i] for i in particles])
-        if values.shape[0] * values.shape[1] <= DENSE_LIMIT:
-            proposals = self._propose_dense(values, masks)
-        else:
-            proposals = [self._propose_one(values[k], masks[k]) for k in range(len(particles))]
-        out = [self._apply(i, prop) for i, prop in zip(particles, proposals, strict=True)]
+        m = len(particles)
+        self.rows += m
+        rows = torch.as_tensor(rows)
+        if self.device is not None and rows.device != self.device:
+            rows = rows.to(self.device)
+        bits = self._bitmasks(particles)
+        t1 = time.perf_counter()
+        self.mask_seconds += t1 - t0
+        u = self.rng.random(m)  # one per live particle, in particle order, whatever the path
+        width = min(self.width, rows.shape[1])
+        tokens, incr = to_host(*propose(rows, bits, u, self.temperature, width=width))
+        out = [self._apply(i, tok, inc) for i, tok, inc in zip(particles, tokens, incr, strict=True)]
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         return Decision(out, parents)
 
-    def _propose_dense(self, values: np.ndarray, masks: np.ndarray) -> list[tuple[int, float] | None]:
-        """Every row at once over the full width (small ``m x V``): ``(token, log weight
-        increment)`` per row, None where the mask keeps no probability.
+    def _bitmasks(self, particles: Sequence[int]) -> Any:
+        """The constraint's bitmasks for ``particles``, filled once per distinct token history
+        (resampled copies share theirs: a state is a function of the tokens)."""
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(self.tokens[i]), len(first)) for i in particles]
+        if len(first) == len(index):
+            return self.constraint.bitmasks([self.states[i] for i in particles])
+        reps: dict[int, int] = {}
+        for i, k in zip(particles, index, strict=True):
+            reps.setdefault(k, i)
+        unique = self.constraint.bitmasks([self.states[reps[k]] for k in range(len(first))])
+        return unique[index]
 
-        One ``float32 [m, V']`` buffer (``V'``: ``V`` rounded up to whole blocks of
-        :data:`BLOCK`): mask, max, shift, exp in place, then float64 sums per block; a draw finds
-        its block from the blocks' cumulative sums and its token inside the block."""
-        m, width = values.shape
-        padded = -(-width // BLOCK) * BLOCK
-        x = np.full((m, padded), -np.inf, dtype=np.float32)
-        np.copyto(x[:, :width], values, where=masks)
-        top = x.max(axis=1).astype(np.float64)
-        alive = np.isfinite(top)
-        t = self.temperature
-        if t < 1e-5:  # greedy: the proposal is a point mass
-            j = x.argmax(axis=1)
-            return [(int(j[k]), float(x[k, j[k]])) if alive[k] else None for k in range(m)]
-        ztop = np.where(alive, top if t == 1.0 else top / t, 0.0)
-        if t != 1.0:
-            x /= np.float32(t)
-        x -= ztop.astype(np.float32)[:, None]
-        np.exp(x, out=x)  # e = exp(z - ztop): 0 outside the mask
-        cum = np.cumsum(x.reshape(m, padded // BLOCK, BLOCK).sum(axis=2, dtype=np.float64), axis=1)
-        u = self.rng.random(int(alive.sum()))
-        out: list[tuple[int, float] | None] = []
-        n = 0
-        for k in range(m):
-            if not alive[k]:
-                out.append(None)
-                continue
-            tot = float(cum[k, -1])
-            target = u[n] * tot
-            n += 1
-            b = int(np.searchsorted(cum[k], target, side="right"))  # its block has mass: target < tot
-            inside = x[k, b * BLOCK:(b + 1) * BLOCK]
-            rest = target - (float(cum[k, b - 1]) if b else 0.0)
-            i = min(int(np.searchsorted(np.cumsum(inside, dtype=np.float64), rest, side="right")), BLOCK - 1)
-            if inside[i] == 0.0:  # round-off past the block's last allowed token
-                i = int(np.flatnonzero(inside[: i + 1])[-1])
-            j = b * BLOCK + i
-            if t == 1.0:
-                incr = float(ztop[k]) + math.log(tot)
-            else:  # row[x] - log q(x), with log q(x) = log e[x] - log total
-                incr = float(values[k, j]) - (math.log(float(x[k, j])) - math.log(tot))
-            out.append((j, incr))
-        return out
-
-    def _propose_one(self, row: np.ndarray, mask: np.ndarray) -> tuple[int, float] | None:
-        """One row over its allowed tokens only (large ``m x V``): as :meth:`_propose_dense`."""
-        allowed = np.flatnonzero(mask)
-        vals = row[allowed].astype(np.float64)
-        top = float(vals.max()) if vals.size else -math.inf
-        if not math.isfinite(top):
-            return None
-        t = self.temperature
-        if t < 1e-5:
-            j = int(np.argmax(vals))
-            return int(allowed[j]), float(vals[j])
-        z, ztop = (vals, top) if t == 1.0 else (vals / t, top / t)
-        cdf = np.cumsum(np.exp(z - ztop))
-        total = float(cdf[-1])
-        j = min(int(np.searchsorted(cdf, self.rng.random() * total, side="right")), len(cdf) - 1)
-        incr = ztop + math.log(total) if t == 1.0 else float(vals[j]) - (float(z[j]) - ztop - math.log(total))
-        return int(allowed[j]), incr
-
-    def _apply(self, i: int, proposal: tuple[int, float] | None) -> int | None:
-        """Particle ``i`` takes its proposed token (or dies); returns what the runner feeds it."""
-        if proposal is None:
+    def _apply(self, i: int, token: int, incr: float) -> int | None:
+        """Particle ``i`` takes its proposed token (``-1``: it dies); returns what the runner
+        feeds it."""
+        if token < 0:
             self.log_w[i] = -math.inf
             self.status[i] = "dead"
             return None
-        token, incr = proposal
         self.log_w[i] += incr
         if token in self.eos:
             self.status[i] = "finished"
@@ -286,7 +251,12 @@ class SMCController(Controller):
         self.log_z += total - math.log(self.n_particles)
         parents = ancestors(w, self.resampling, self.rng)
         c = self.constraint
-        self.states = [c.copy(self.states[p]) for p in parents]
+        taken: set[int] = set()  # a parent's first copy takes its state itself, the others fork it
+        states = []
+        for p in parents:
+            states.append(self.states[p] if p not in taken else c.copy(self.states[p]))
+            taken.add(p)
+        self.states = states
         self.tokens = [list(self.tokens[p]) for p in parents]
         self.status = [self.status[p] for p in parents]
         self.log_w = np.zeros(self.n_particles)
@@ -320,5 +290,8 @@ class SMCController(Controller):
             "died_at": self.died_at,
             "controller_s": round(self.seconds, 6),
             "constraint_s": round(self.constraint.seconds, 6),
+            "mask_s": round(self.mask_seconds, 6),
+            "mask_ms_per_step": round(1e3 * self.mask_seconds / max(1, self.steps), 4),
+            "step_ms_per_step": round(1e3 * (self.seconds - self.mask_seconds) / max(1, self.steps), 4),
         }
         return SMCResult(particles, log_marginal, posterior, list(self.ess), list(self.resampled_at), stats)

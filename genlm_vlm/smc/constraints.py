@@ -5,8 +5,10 @@ function); :meth:`Constraint.bind` compiles it against one model's vocabulary an
 :class:`BoundConstraint`, which keeps one *state* per particle:
 
 * :meth:`BoundConstraint.initial` -- the state before any generated token;
-* :meth:`BoundConstraint.masks` -- bool ``[m, V]`` (numpy), True where a token may come next,
-  EOS included where the text generated so far may end;
+* :meth:`BoundConstraint.bitmasks` -- ``int32 [m, ceil(V/32)]`` token bitmasks on the host
+  (xgrammar's layout: bit ``j % 32`` of word ``j // 32`` set where token ``j`` may come next, EOS
+  included where the text generated so far may end); :meth:`BoundConstraint.masks` is the same as
+  bool ``[m, V]`` (numpy);
 * :meth:`BoundConstraint.advance` -- the state after a token (the state passed in may be reused);
 * :meth:`BoundConstraint.copy` -- an independent copy (a resampled particle's).
 
@@ -23,9 +25,18 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where used: importing genlm_vlm.smc stays light
+    import torch
+
+
+def _pack(mask: Any) -> torch.Tensor:
+    from .step import pack
+
+    return pack(mask)
 
 
 class ConstraintError(ValueError):
@@ -34,18 +45,31 @@ class ConstraintError(ValueError):
 
 class BoundConstraint(ABC):
     """A constraint compiled for one vocabulary (see the module docstring). Not thread-safe:
-    one SMC run uses it from one thread at a time."""
+    one SMC run uses it from one thread at a time. A subclass implements :meth:`bitmasks` or
+    :meth:`masks` (each has a default made from the other)."""
 
-    #: Seconds spent in :meth:`masks` and :meth:`advance` since creation (the constraint's cost).
+    #: Seconds spent in :meth:`bitmasks` and :meth:`advance` since creation (the constraint's cost).
     seconds: float = 0.0
+    #: The row width ``V`` it was bound for.
+    width: int = 0
 
     @abstractmethod
     def initial(self) -> Any:
         """The state of a particle that has generated nothing yet."""
 
-    @abstractmethod
+    def bitmasks(self, states: Sequence[Any]) -> torch.Tensor:
+        """``int32 [len(states), ceil(V/32)]`` on the host: the tokens allowed next in each state
+        (xgrammar's bitmask layout). Default: :meth:`masks`, packed."""
+        if type(self).masks is BoundConstraint.masks:
+            raise NotImplementedError(f"{type(self).__name__} must implement bitmasks() or masks()")
+        return _pack(np.asarray(self.masks(states), dtype=bool))
+
     def masks(self, states: Sequence[Any]) -> np.ndarray:
-        """Bool ``[len(states), V]``: the tokens allowed next in each state."""
+        """Bool ``[len(states), V]`` (numpy): the tokens allowed next in each state. Default:
+        :meth:`bitmasks`, unpacked."""
+        if type(self).bitmasks is BoundConstraint.bitmasks:
+            raise NotImplementedError(f"{type(self).__name__} must implement bitmasks() or masks()")
+        return unpack_bits(self.bitmasks(states), self.width)
 
     @abstractmethod
     def advance(self, state: Any, token: int) -> Any:
@@ -54,6 +78,14 @@ class BoundConstraint(ABC):
     @abstractmethod
     def copy(self, state: Any) -> Any:
         """An independent copy of ``state``."""
+
+
+def unpack_bits(bits: Any, width: int) -> np.ndarray:
+    """Bitmask ``int32 [m, W]`` (tensor on any device, or numpy) -> bool ``[m, width]`` numpy."""
+    b = bits.cpu().numpy() if hasattr(bits, "cpu") else np.asarray(bits)
+    b = np.ascontiguousarray(b, dtype=np.int32)
+    packed = b.view(np.uint8).reshape(b.shape[0], b.shape[1] * 4)
+    return np.unpackbits(packed, axis=1, bitorder="little")[:, :width].view(bool)
 
 
 class Constraint(ABC):
@@ -91,8 +123,21 @@ def usable_tokens(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: in
     return usable
 
 
+def usable_width(byte_vocab: Sequence[bytes], eos_ids: Sequence[int]) -> int:
+    """One past the last column that can ever be allowed: a token with bytes or an EOS id. The
+    columns after it are the logit matrix's padding; the SMC step never reads them."""
+    n = len(byte_vocab)
+    last = max((int(e) for e in eos_ids if 0 <= int(e) < n), default=-1)
+    for j in range(n - 1, last, -1):
+        if byte_vocab[j]:
+            return j + 1
+    return max(last + 1, 1)
+
+
 class _Compiled(BoundConstraint):
-    """An xgrammar grammar bound to a vocabulary; a state is a ``GrammarMatcher``."""
+    """An xgrammar grammar bound to a vocabulary; a state is a ``GrammarMatcher``. Bitmasks of
+    all the states of a step are filled at once (``BatchGrammarMatcher``, xgrammar's threads),
+    then ANDed with the usable tokens in packed form."""
 
     def __init__(self, compiled: Any, width: int, what: str, usable: np.ndarray) -> None:
         import xgrammar as xgr
@@ -101,30 +146,32 @@ class _Compiled(BoundConstraint):
         self._compiled = compiled
         self.width = width
         self._usable = usable
+        self._usable_bits = _pack(usable[None, :])[0]
         self._words = (width + 31) // 32
+        self._batch = xgr.BatchGrammarMatcher()
         self.seconds = 0.0
         self.what = what
-        first = self.masks([self.initial()])
-        if not first.any():
+        first = self.bitmasks([self.initial()])
+        if not bool(first.any()):
             raise ConstraintError(f"{what}: no token of this vocabulary can start a match (empty language)")
+        self.seconds = 0.0
 
     def initial(self) -> Any:
         return self._xgr.GrammarMatcher(self._compiled)
 
-    def masks(self, states: Sequence[Any]) -> np.ndarray:
+    def bitmasks(self, states: Sequence[Any]) -> torch.Tensor:
         import torch
 
         t0 = time.perf_counter()
         m = len(states)
         bits = torch.zeros((m, self._words), dtype=torch.int32)
-        for i, matcher in enumerate(states):
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bits, i)
-        packed = bits.numpy().view(np.uint8).reshape(m, self._words * 4)
-        out = np.unpackbits(packed, axis=1, bitorder="little")[:, : self.width].view(bool)
-        out &= self._usable
+        live = [i for i, matcher in enumerate(states) if not matcher.is_terminated()]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([states[i] for i in live], bits,
+                                                      None if len(live) == m else live)
+        bits &= self._usable_bits
         self.seconds += time.perf_counter() - t0
-        return out
+        return bits
 
     def advance(self, state: Any, token: int) -> Any:
         t0 = time.perf_counter()
@@ -244,19 +291,27 @@ class _BoundMask(BoundConstraint):
     def initial(self) -> tuple[int, ...]:
         return ()
 
-    def masks(self, states: Sequence[tuple[int, ...]]) -> np.ndarray:
+    def bitmasks(self, states: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        import torch
+
         t0 = time.perf_counter()
         out = self.fn(list(states))
-        if hasattr(out, "detach"):  # a torch tensor
-            out = out.detach().cpu().numpy()
-        out = np.asarray(out)
-        if out.dtype != np.bool_ or out.shape != (len(states), self.width):
+        m, words = len(states), (self.width + 31) // 32
+        t = out.detach() if torch.is_tensor(out) else np.asarray(out)
+        dtype = str(t.dtype).replace("torch.", "")
+        bits = None
+        if t.ndim == 2 and t.shape[0] == m:
+            if dtype == "bool" and t.shape[1] == self.width:
+                bits = _pack(t).cpu()
+            elif dtype == "int32" and t.shape[1] == words:
+                bits = t.cpu().clone() if torch.is_tensor(t) else torch.from_numpy(np.array(t))
+        if bits is None:
             raise ValueError(
-                f"{self.what} returned an array of dtype {out.dtype} and shape {out.shape}; "
-                f"it must return bool [{len(states)}, {self.width}] (one row per particle)"
+                f"{self.what} returned an array of dtype {dtype} and shape {tuple(t.shape)}; it must return "
+                f"bool [{m}, {self.width}] or an int32 bitmask [{m}, {words}] (one row per particle)"
             )
         self.seconds += time.perf_counter() - t0
-        return out
+        return bits
 
     def advance(self, state: tuple[int, ...], token: int) -> tuple[int, ...]:
         return (*state, int(token))
@@ -267,8 +322,11 @@ class _BoundMask(BoundConstraint):
 
 class TokenMask(Constraint):
     """A custom constraint: ``fn(generated)`` gets the token ids each particle has generated so
-    far (a list of tuples, one per particle) and returns a bool array or tensor ``[m, V]``: True
-    where a token may come next (EOS included where the particle may end). Vectorise it: it is
+    far (a list of tuples, one per particle) and returns, for ``m`` particles, a bool array or
+    tensor ``[m, V]`` (True where a token may come next, EOS included where the particle may
+    end), or the same as a token bitmask, ``int32 [m, ceil(V/32)]`` in xgrammar's layout (bit
+    ``j % 32`` of word ``j // 32`` is token ``j``); numpy or torch, on any device. Columns past the
+    tokenizer's vocabulary (padding) are never allowed, whatever it returns. Vectorise it: it is
     called once per step for all particles. An exception it raises fails the SMC run that
     called it, and nothing else."""
 
@@ -282,12 +340,12 @@ class TokenMask(Constraint):
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
         bound = _BoundMask(self.fn, width, self.name)
         try:
-            first = bound.masks([()])
+            first = bound.bitmasks([()])
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's function; name it
             raise ConstraintError(f"{self.name} raised on the empty prefix: {e!r}") from e
-        if not first.any():
+        if not bool(first.any()):
             raise ConstraintError(f"{self.name} allows no token at the start (empty language)")
         bound.seconds = 0.0
         return bound
@@ -299,6 +357,7 @@ class TokenMask(Constraint):
 class _BoundAll(BoundConstraint):
     def __init__(self, parts: list[BoundConstraint]) -> None:
         self.parts = parts
+        self.width = parts[0].width
 
     @property
     def seconds(self) -> float:  # type: ignore[override]
@@ -307,11 +366,11 @@ class _BoundAll(BoundConstraint):
     def initial(self) -> tuple[Any, ...]:
         return tuple(p.initial() for p in self.parts)
 
-    def masks(self, states: Sequence[tuple[Any, ...]]) -> np.ndarray:
+    def bitmasks(self, states: Sequence[tuple[Any, ...]]) -> torch.Tensor:
         out = None
         for k, part in enumerate(self.parts):
-            m = part.masks([s[k] for s in states])
-            out = np.array(m, dtype=bool) if out is None else out & m
+            bits = part.bitmasks([s[k] for s in states])
+            out = bits.clone() if out is None else out.bitwise_and_(bits)
         assert out is not None
         return out
 
@@ -333,7 +392,7 @@ class AllOf(Constraint):
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
         bound = _BoundAll([c.bind(byte_vocab, eos_ids, width, cache) for c in self.constraints])
-        if not bound.masks([bound.initial()]).any():
+        if not bool(bound.bitmasks([bound.initial()]).any()):
             raise ConstraintError(f"{self.describe()}: no token is allowed by all of them at the start (empty language)")
         return bound
 

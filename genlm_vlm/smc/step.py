@@ -1,0 +1,363 @@
+"""The SMC proposal step where the rows are: masks applied, masked logsumexp, inverse-CDF draws.
+
+:func:`propose` is stage 3 of the built-in controller (docs/DESIGN.md, "The shape of
+smc/algorithm.py"): from the ``float32 [m, V]`` rows of ``m`` live particles on any torch device,
+their token bitmasks (xgrammar's layout: ``int32 [m, ceil(V/32)]``, bit ``j % 32`` of word
+``j // 32`` set where token ``j`` is allowed) and one uniform per particle, it returns ``m``
+tokens and ``m`` log weight increments, computed on the rows' device. Only those ``2 m`` numbers
+need to come back to the host.
+
+Per row, with ``A`` the allowed tokens and ``t`` the temperature:
+
+* ``t < 1e-5`` (greedy): the allowed token of highest log-probability (the first one on ties);
+  the increment is its log-probability;
+* otherwise the proposal is ``q(x) ∝ exp(row[x] / t)`` on ``A``, drawn by inverse CDF from the
+  particle's uniform ``u`` (the first ``x`` whose cumulative mass exceeds ``u`` times the total);
+  the increment is ``row[x] - log q(x)``, which at ``t = 1`` is exactly ``logsumexp(row[A])``;
+* a row whose mask keeps no probability (no allowed token, or only ``-inf`` entries) gets token
+  ``-1`` and increment ``-inf``: the particle dies.
+
+Columns at or past ``width`` (the tokenizer's real vocabulary; the model's padding columns) are
+never read, written or allowed. The arithmetic after the mask is float64; reductions are a max
+(order-free) and a cumulative sum along each row, so on the CPU the result does not depend on
+``torch.get_num_threads()`` (each row's sum is one sequential scan). On CUDA the same code runs
+with CUDA's kernels: torch does not promise that a floating-point ``cumsum`` there is bitwise
+deterministic, and results agree with the CPU's within float tolerance (benchmarks/gpu/
+controller_check.py measures both).
+
+Two paths give the same result up to float round-off, chosen by the masks' density (not by
+``m x V``; :func:`choose_path`): *dense* applies the bitmask to the rows in place (xgrammar's
+``apply_token_bitmask_inplace`` where xgrammar is installed, else an equal torch op) and works over
+the full usable width; *gather* picks each row's allowed entries and works over them (a
+``[m, most allowed]`` buffer).
+
+This module imports torch and numpy only (xgrammar lazily, for its mask kernel): the GPU check
+(benchmarks/gpu/controller_check.py) runs it without vLLM or transformers installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Below this temperature the proposal is the point mass on the best allowed token.
+GREEDY_BELOW = 1e-5
+#: The gather path runs when the densest row allows at most ``width / GATHER_DENSITY`` tokens
+#: (``GATHER_DENSITY_CPU`` on the CPU: measured crossovers near 1/8 of the width on the GPU path's
+#: kernel count, near 0.6 on this project's CPU, m = 32-128, 32,768 columns).
+GATHER_DENSITY = 8
+GATHER_DENSITY_CPU = 2
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+_kernel_lock = threading.Lock()
+_XGR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what xgrammar's kernels take
+_xgr_apply: Any = None  # xgrammar's apply_token_bitmask_inplace, once imported
+_xgr_failed: dict[str, str] = {}  # device type -> why xgrammar's kernel is not used there
+
+logger = logging.getLogger(__name__)
+
+
+def words(width: int) -> int:
+    """Bitmask words (int32) per row for ``width`` tokens: ``ceil(width / 32)``."""
+    return (int(width) + 31) // 32
+
+
+def pack(mask: Any) -> torch.Tensor:
+    """Bool ``[m, V]`` (numpy array or tensor, any device) -> bitmask ``int32 [m, ceil(V/32)]``
+    on the same device (bit ``j % 32`` of word ``j // 32`` is token ``j``)."""
+    if isinstance(mask, np.ndarray):  # on the host: numpy packs it (no copy into torch first)
+        if mask.dtype != np.bool_ or mask.ndim != 2:
+            raise ValueError(f"pack() needs a bool [m, V] mask, got {mask.dtype} of shape {mask.shape}")
+        m, v = mask.shape
+        packed = np.packbits(mask, axis=1, bitorder="little")
+        w = words(v)
+        if packed.shape[1] != 4 * w:
+            packed = np.pad(packed, ((0, 0), (0, 4 * w - packed.shape[1])))
+        return torch.from_numpy(np.ascontiguousarray(packed).view("<i4").reshape(m, w))
+    t = torch.as_tensor(mask)
+    if t.dtype != torch.bool or t.dim() != 2:
+        raise ValueError(f"pack() needs a bool [m, V] mask, got {t.dtype} of shape {tuple(t.shape)}")
+    m, v = t.shape
+    w = words(v)
+    if v != w * 32:
+        t = torch.nn.functional.pad(t, (0, w * 32 - v))
+    weights = (torch.ones(32, dtype=torch.int64, device=t.device) << _shifts(t.device).long())
+    out = (t.view(m, w, 32).long() * weights).sum(-1)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def unpack(bits: Any, width: int) -> torch.Tensor:
+    """Bitmask ``int32 [m, W]`` -> bool ``[m, width]`` on the same device."""
+    b = torch.as_tensor(bits)
+    m = b.shape[0]
+    if b.device.type == "cpu":  # numpy's unpacking is one fast pass
+        a = np.ascontiguousarray(b.numpy()).view(np.uint8).reshape(m, -1)
+        return torch.from_numpy(np.unpackbits(a, axis=1, bitorder="little")[:, :width].view(bool))
+    out = ((b[:, :, None] >> _shifts(b.device)) & 1).bool().view(m, -1)
+    return out[:, :width]
+
+
+def popcounts(bits: Any) -> np.ndarray:
+    """Allowed tokens per row of a bitmask (int64 numpy ``[m]``), computed on the host."""
+    b = torch.as_tensor(bits)
+    a = b.cpu().numpy() if b.device.type != "cpu" else b.numpy()
+    a = np.ascontiguousarray(a)
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(a.view(np.uint32)).sum(axis=1, dtype=np.int64)
+    return _POPCOUNT[a.view(np.uint8)].reshape(a.shape[0], -1).sum(axis=1)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    s = _SHIFTS.get(device)
+    if s is None:
+        s = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return s
+
+
+def mask_kernel(device: Any) -> str:
+    """Which kernel :func:`propose` uses to apply bitmasks on ``device``: ``"xgrammar"``
+    (``apply_token_bitmask_inplace``) or ``"torch"`` (an equal torch op: xgrammar is not
+    installed, or its kernel failed once on this device type)."""
+    return "torch" if _xgrammar_apply(torch.device(device).type) is None else "xgrammar"
+
+
+def mask_kernel_error(device: Any) -> str | None:
+    """Why xgrammar's kernel is not used on ``device``'s type (None: it is, or was not tried)."""
+    return _xgr_failed.get(torch.device(device).type)
+
+
+def _xgrammar_apply(device_type: str) -> Any:
+    global _xgr_apply
+    if device_type in _xgr_failed:
+        return None
+    if _xgr_apply is None:
+        with _kernel_lock:
+            if _xgr_apply is None:
+                try:
+                    from xgrammar import apply_token_bitmask_inplace
+                except Exception as e:  # noqa: BLE001 - not installed or broken: the torch op does the same
+                    why = f"xgrammar is not importable: {e!r}"
+                    _xgr_failed.setdefault(device_type, why)
+                    logger.info("SMC step: %s; bitmasks are applied with a torch op", why)
+                    return None
+                _xgr_apply = apply_token_bitmask_inplace
+    return _xgr_apply
+
+
+def apply_bitmask(x: torch.Tensor, bits: torch.Tensor, width: int, kernel: str = "auto") -> str:
+    """Set ``x[k, j] = -inf`` for ``j < width`` where bit ``j`` of ``bits[k]`` is 0, in place;
+    columns at or past ``width`` are not touched. Returns the kernel used (see
+    :func:`mask_kernel`); ``kernel="torch"`` forces the torch op."""
+    dtype = x.device.type
+    fn = None if kernel == "torch" or x.dtype not in _XGR_DTYPES else _xgrammar_apply(dtype)
+    if fn is not None:
+        try:
+            fn(x, bits, vocab_size=width)
+            return "xgrammar"
+        except Exception as e:  # noqa: BLE001 - e.g. no triton compiler on this host: the torch op, from now on
+            _xgr_failed[dtype] = f"xgrammar's kernel failed on {dtype}: {e!r}"
+            logger.warning("SMC step: %s; using a torch op from now on", _xgr_failed[dtype])
+    keep = unpack(bits, width)
+    x[:, :width].masked_fill_(~keep, -math.inf)
+    return "torch"
+
+
+def _prepare_bits(bits: Any, m: int, width: int) -> torch.Tensor:
+    """``bits`` checked, cut to ``ceil(width / 32)`` words and cleared past ``width`` (where it is)."""
+    b = torch.as_tensor(bits)
+    w = words(width)
+    if b.dtype != torch.int32 or b.dim() != 2 or b.shape[0] != m or b.shape[1] < w:
+        raise ValueError(f"bits must be int32 [{m}, >= {w}] (xgrammar's bitmask layout), got {b.dtype} "
+                         f"of shape {tuple(b.shape)}")
+    b = b[:, :w]
+    if width % 32:  # bits past width in the last word can never be allowed
+        b = b.clone()
+        b[:, -1] &= (1 << (width % 32)) - 1
+    return b.contiguous()
+
+
+def _popcounts_device(bits: torch.Tensor) -> np.ndarray:
+    v = bits.long() & 0xFFFFFFFF
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    v = ((v * 0x01010101) & 0xFFFFFFFF) >> 24
+    return v.sum(dim=1).cpu().numpy()
+
+
+def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1.0, *,
+            width: int | None = None, counts: Any = None, path: str = "auto",
+            kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """One proposal step (see the module docstring) on ``rows``' device.
+
+    ``rows``: ``float32 [m, V]`` log-probabilities (the dense path writes ``-inf`` into their
+    masked columns below ``width``). ``bits``: ``int32 [m, >= ceil(width/32)]`` bitmasks, any
+    device. ``uniforms``: ``m`` floats in ``[0, 1)`` (numpy or tensor; used in float64).
+    ``width``: columns that may ever be allowed (default ``V``). ``counts``: allowed tokens per
+    row if the caller already knows them (else counted from ``bits``). ``path``: ``"auto"``,
+    ``"dense"`` or ``"gather"``; ``kernel``: ``"auto"`` or ``"torch"`` (the dense path's mask
+    kernel). Returns ``(tokens int64 [m], increments float64 [m])`` on the rows' device, token
+    ``-1`` (increment ``-inf``) where the mask keeps no probability."""
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be [m, V], got shape {tuple(rows.shape)}")
+    m, v = rows.shape
+    width = v if width is None else int(width)
+    if not 0 < width <= v:
+        raise ValueError(f"width must be in [1, {v}], got {width}")
+    t = float(temperature)
+    if not (t >= 0.0 and math.isfinite(t)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    device = rows.device
+    b = _prepare_bits(bits, m, width)
+    if counts is None and path != "dense":
+        counts = popcounts(b) if b.device.type == "cpu" else _popcounts_device(b)
+    b = b.to(device)
+    u = torch.as_tensor(uniforms if torch.is_tensor(uniforms) else np.asarray(uniforms, dtype=np.float64),
+                        dtype=torch.float64).to(device)
+    if u.shape != (m,):
+        raise ValueError(f"uniforms must hold {m} numbers, got shape {tuple(u.shape)}")
+    if m and not bool(((u >= 0) & (u < 1)).all()):  # a target outside the mass could land on a masked token
+        raise ValueError("uniforms must be numbers in [0, 1)")
+    if m == 0:
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
+    if path == "auto":
+        path = choose_path(counts, width, device)
+    if path == "dense":
+        return _dense(rows, b, u, t, width, kernel)
+    if path == "gather":
+        return _gather(rows, b, u, t, width, counts)
+    raise ValueError(f"path must be 'auto', 'dense' or 'gather', got {path!r}")
+
+
+def choose_path(counts: Any, width: int, device: Any) -> str:
+    """``"gather"`` when the densest row allows at most ``width / GATHER_DENSITY`` tokens
+    (``GATHER_DENSITY_CPU`` on the CPU), else ``"dense"``: a function of the masks and the device
+    only, so every run of the same step takes the same path."""
+    limit = GATHER_DENSITY_CPU if torch.device(device).type == "cpu" else GATHER_DENSITY
+    return "gather" if int(np.max(counts)) * limit <= width else "dense"
+
+
+def _draw(cum: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse CDF per row of the cumulative masses ``cum`` (float64 ``[m, n]``): the first index
+    whose cumulative mass exceeds ``u * total`` (never past the last index with mass: a product
+    that rounds up to the total takes the last allowed token). Returns ``(index, total)``."""
+    tot = cum[:, -1:].contiguous()
+    j = torch.searchsorted(cum, u[:, None] * tot, right=True)
+    last = torch.searchsorted(cum, tot, right=False)
+    return torch.minimum(j, last).squeeze(1), tot.squeeze(1)
+
+
+def _finish(alive: torch.Tensor, j: torch.Tensor, incr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.where(alive, j, torch.full_like(j, -1))
+    return tokens, torch.where(alive, incr, torch.full_like(incr, -math.inf))
+
+
+def _ztop(top: torch.Tensor, t: float, alive: torch.Tensor) -> torch.Tensor:
+    """The row's max of ``vals / t`` in float64 (0 for dead rows)."""
+    ztop = top.double() if t == 1.0 else top.double() / t
+    return torch.where(alive, ztop, torch.zeros_like(ztop))
+
+
+def _cumulative(vals: torch.Tensor, t: float, ztop: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cumsum(exp(vals / t - ztop))`` per row, float64 (into ``out`` if given)."""
+    z = vals.to(torch.float64) if out is None else out.copy_(vals)  # exact upcast (a mixed-dtype op is slower)
+    if t != 1.0:
+        z.div_(t)
+    z.sub_(ztop[:, None])
+    return z.exp_().cumsum_(dim=1)
+
+
+#: On the CPU the dense path works through the rows in chunks of about this many float64 entries
+#: (a buffer that stays in cache and is allocated once per thread), not one ``[m, width]`` buffer.
+CPU_CHUNK = 1 << 19
+_workspace = threading.local()
+
+
+def _buffer(n: int) -> torch.Tensor:
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _workspace.buf = torch.empty(n, dtype=torch.float64)
+    return buf[:n]
+
+
+def _incr(xj: torch.Tensor, t: float, ztop: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
+    if t == 1.0:
+        return ztop + torch.log(tot)
+    x64 = xj.to(torch.float64)
+    return x64 - (x64 / t - ztop - torch.log(tot))
+
+
+def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, width: int,
+           kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    x = rows[:, :width]
+    apply_bitmask(rows, bits, width, kernel)
+    top = x.amax(dim=1)
+    alive = top > -math.inf
+    if t < GREEDY_BELOW:
+        j = x.argmax(dim=1)
+        return _finish(alive, j, x.gather(1, j[:, None]).squeeze(1).to(torch.float64))
+    ztop = _ztop(top, t, alive)
+    m = x.shape[0]
+    if x.device.type != "cpu":
+        j, tot = _draw(_cumulative(x, t, ztop), u)
+    else:  # row chunks through one cached buffer: no m x width float64 allocation per step
+        step = max(1, CPU_CHUNK // width)
+        j = torch.empty(m, dtype=torch.int64)
+        tot = torch.empty(m, dtype=torch.float64)
+        for r0 in range(0, m, step):
+            r1 = min(m, r0 + step)
+            out = _buffer((r1 - r0) * width).view(r1 - r0, width)
+            j[r0:r1], tot[r0:r1] = _draw(_cumulative(x[r0:r1], t, ztop[r0:r1], out), u[r0:r1])
+    return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
+
+
+def _allowed(rows: torch.Tensor, bits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' allowed entries (float ``[K]``, row-major, ascending columns within a row) and
+    their columns (int64 ``[K]``). On the CPU the indices come from numpy (one pass each)."""
+    if rows.device.type == "cpu":
+        m, v = rows.shape
+        a = np.ascontiguousarray(bits.numpy()).view(np.uint8).reshape(m, -1)
+        keep = np.unpackbits(a, axis=1, bitorder="little")[:, :width].view(bool)
+        r, col = np.divmod(np.flatnonzero(keep), width)
+        flat = rows.contiguous().view(-1)[torch.from_numpy(r * v + col)]
+        return flat, torch.from_numpy(col)
+    keep = unpack(bits, width)
+    return rows[:, :width][keep], keep.nonzero()[:, 1]
+
+
+def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, width: int,
+            counts: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    m = rows.shape[0]
+    device = rows.device
+    c = [int(k) for k in np.asarray(counts, dtype=np.int64)]
+    flat, col = _allowed(rows, bits, width)  # the allowed entries, row-major, ascending columns in a row
+    if max(c, default=0) == 0:  # nothing allowed anywhere: every row dies
+        flat = torch.full((m,), -math.inf, device=device)
+        col = torch.zeros(m, dtype=torch.int64, device=device)
+        c = [1] * m
+    pad = torch.nn.utils.rnn.pad_sequence
+    vals = pad(list(torch.split(flat, c)), batch_first=True, padding_value=-math.inf)  # [m, most allowed]
+    cols = pad(list(torch.split(col, c)), batch_first=True, padding_value=0)
+    top = vals.amax(dim=1)
+    alive = top > -math.inf
+    if t < GREEDY_BELOW:
+        j = vals.argmax(dim=1)
+        tok = cols.gather(1, j[:, None]).squeeze(1)
+        return _finish(alive, tok, vals.gather(1, j[:, None]).squeeze(1).to(torch.float64))
+    ztop = _ztop(top, t, alive)
+    j, tot = _draw(_cumulative(vals, t, ztop), u)
+    tok = cols.gather(1, j[:, None]).squeeze(1)
+    return _finish(alive, tok, _incr(vals.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
+
+
+def to_host(tokens: torch.Tensor, incr: torch.Tensor) -> tuple[list[int], np.ndarray]:
+    """The step's result on the host in one transfer: tokens (list of int, -1 = dies) and
+    increments (float64 numpy)."""
+    both = torch.stack((tokens.to(torch.float64), incr)).cpu().numpy()
+    return [int(k) for k in both[0]], both[1].copy()

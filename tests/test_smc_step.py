@@ -1,0 +1,345 @@
+"""The SMC proposal step (genlm_vlm.smc.step) against a float64 numpy reference, its two paths,
+thread-count independence, padding columns, and the GPU check script run on the CPU.
+
+Pure logic on random rows and masks: no engine (the engine runs it in tests/test_smc.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_vlm.smc import step as S
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def reference(rows: np.ndarray, mask: np.ndarray, u: np.ndarray, t: float) -> list[tuple[int, float, float]]:
+    """Per row: (token, increment, the distance of the inverse-CDF target from the nearest mass
+    boundary, relative to the total: small means a float tie). float64 numpy throughout."""
+    out = []
+    for k in range(rows.shape[0]):
+        allowed = np.flatnonzero(mask[k])
+        vals = rows[k, allowed].astype(np.float64)
+        top = vals.max() if vals.size else -math.inf
+        if not math.isfinite(top):
+            out.append((-1, -math.inf, math.inf))
+            continue
+        if t < 1e-5:
+            j = int(np.argmax(vals))
+            out.append((int(allowed[j]), float(vals[j]), math.inf))
+            continue
+        z, zt = (vals, top) if t == 1.0 else (vals / t, top / t)
+        cdf = np.cumsum(np.exp(z - zt))
+        tot = float(cdf[-1])
+        target = u[k] * tot
+        j = min(int(np.searchsorted(cdf, target, side="right")), len(cdf) - 1)
+        inc = zt + math.log(tot) if t == 1.0 else float(vals[j]) - (float(z[j]) - zt - math.log(tot))
+        out.append((int(allowed[j]), inc, float(np.min(np.abs(cdf - target))) / tot))
+    return out
+
+
+def random_case(rng: np.random.Generator, m: int, v: int, width: int, density: float, scale: float = 3.0):
+    rows = torch.log_softmax(torch.from_numpy(rng.standard_normal((m, v)) * scale).float(), dim=1)
+    mask = rng.random((m, v)) < density
+    mask[:, width:] = False
+    mask[0] = False  # dies: nothing allowed
+    mask[1, :] = False
+    mask[1, rng.integers(width)] = True  # one token only
+    return rows, mask, rng.random(m)
+
+
+def check_against_reference(tok, inc, ref, *, rel=1e-9) -> int:
+    """Tokens equal away from ties, increments close; returns the number of ties skipped."""
+    ties = 0
+    for k, (rt, ri, gap) in enumerate(ref):
+        if tok[k] != rt:
+            assert gap < 1e-9, f"row {k}: token {tok[k]} != {rt} and the target is {gap} from a boundary"
+            ties += 1
+            continue
+        if rt == -1:
+            assert inc[k] == -math.inf
+        else:
+            assert inc[k] == pytest.approx(ri, rel=rel, abs=1e-12), f"row {k}"
+    return ties
+
+
+@pytest.mark.parametrize("density", [0.9, 0.1, 0.004])
+@pytest.mark.parametrize("t", [1.0, 0.6, 1.7, 0.0])
+@pytest.mark.parametrize("path", ["dense", "gather", "auto"])
+def test_step_matches_float64_reference(density, t, path):
+    rng = np.random.default_rng(int(density * 1000) + int(t * 10))
+    m, v, width = 12, 3000, 2950
+    rows, mask, u = random_case(rng, m, v, width, density)
+    ref = reference(rows.numpy(), mask, u, t)
+    tok, inc = S.to_host(*S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, t, width=width, path=path))
+    assert tok[0] == -1 and tok[1] == int(np.flatnonzero(mask[1])[0])
+    assert check_against_reference(tok, inc, ref) <= 1
+
+
+def test_the_paths_agree_and_auto_chooses_by_density():
+    rng = np.random.default_rng(5)
+    m, v = 40, 4096
+    for density, expect in ((0.8, "dense"), (0.002, "gather")):
+        rows, mask, u = random_case(rng, m, v, v, density)
+        bits = S.pack(torch.from_numpy(mask))
+        got = {p: S.to_host(*S.propose(rows.clone(), bits, u, 1.0, path=p)) for p in ("dense", "gather", "auto")}
+        assert got["dense"][0] == got["gather"][0]
+        np.testing.assert_allclose(got["dense"][1], got["gather"][1], rtol=1e-12)
+        assert S.choose_path(S.popcounts(bits), v, "cpu") == expect
+        assert got["auto"][0] == got[expect][0]
+        assert got["auto"][1].tobytes() == got[expect][1].tobytes()
+
+
+@pytest.mark.parametrize("path", ["dense", "gather"])
+def test_thread_count_does_not_change_a_bit(path):
+    """On the CPU the step is a function of its inputs: 1 thread and 2 threads give the same
+    bytes (rows wide enough that torch splits elementwise work and reductions across threads)."""
+    rng = np.random.default_rng(11)
+    m, v = 24, 70000
+    rows, mask, u = random_case(rng, m, v, v - 100, 0.6 if path == "dense" else 0.02)
+    bits = S.pack(torch.from_numpy(mask))
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for t in (1.0, 0.8):
+                tok, inc = S.to_host(*S.propose(rows.clone(), bits, u, t, width=v - 100, path=path))
+                out[n, t] = (tok, inc.tobytes())
+    finally:
+        torch.set_num_threads(before)
+    for t in (1.0, 0.8):
+        assert out[1, t] == out[2, t]
+
+
+@pytest.mark.parametrize("path", ["dense", "gather", "auto"])
+def test_padding_columns_are_never_drawn_nor_written(path):
+    """Columns at or past width hold huge values and their bits are set: never drawn, never read
+    into the mass, never written."""
+    rng = np.random.default_rng(3)
+    m, v, width = 10, 1000, 900
+    rows, mask, u = random_case(rng, m, v, width, 0.02)
+    rows[:, width:] = 50.0
+    mask[2:, width:] = True  # a constraint that (wrongly) allows padding: the step ignores it
+    work = rows.clone()
+    tok, inc = S.to_host(*S.propose(work, S.pack(torch.from_numpy(mask)), u, 1.0, width=width, path=path))
+    assert all(t < width for t in tok)
+    assert torch.equal(work[:, width:], rows[:, width:])
+    trimmed = mask.copy()
+    trimmed[:, width:] = False
+    check_against_reference(tok, inc, reference(rows.numpy(), trimmed, u, 1.0))
+    # greedy too: the padding's +50 would win any argmax that read it
+    g, _ = S.to_host(*S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, 0.0, width=width, path=path))
+    assert all(t < width for t in g) and g[0] == -1
+
+
+def test_minus_inf_rows_die_and_edge_uniforms_stay_in_the_mask():
+    rows = torch.full((3, 64), -math.inf)
+    rows[1, 5] = 0.0
+    rows[2, 7] = -1.0
+    rows[2, 9] = -2.0
+    mask = np.zeros((3, 64), dtype=bool)
+    mask[0, :10] = True  # allowed, but all -inf: no probability
+    mask[1, 5] = True
+    mask[2, [7, 9, 30]] = True  # 30 is -inf: never drawn, even at u -> 1
+    u = np.array([0.5, 0.999999999999, np.nextafter(1.0, 0.0)])
+    for path in ("dense", "gather"):
+        tok, inc = S.to_host(*S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, 1.0, path=path))
+        assert tok == [-1, 5, 9]
+        assert inc[0] == -math.inf and inc[1] == 0.0
+        assert inc[2] == pytest.approx(math.log(math.exp(-1) + math.exp(-2)), rel=1e-12)
+
+
+def test_pack_unpack_roundtrip_and_bad_input():
+    rng = np.random.default_rng(0)
+    mask = rng.random((5, 77)) < 0.5
+    bits = S.pack(mask)
+    assert bits.dtype == torch.int32 and bits.shape == (5, 3)
+    assert torch.equal(bits, S.pack(torch.from_numpy(mask)))  # numpy's packing == the torch op's
+    assert np.array_equal(S.unpack(bits, 77).numpy(), mask)
+    assert list(S.popcounts(bits)) == list(mask.sum(1))
+    rows = torch.zeros(5, 77)
+    with pytest.raises(ValueError, match="bits must be int32"):
+        S.propose(rows, bits.long(), np.zeros(5))
+    with pytest.raises(ValueError, match="uniforms must hold 5"):
+        S.propose(rows, bits, np.zeros(4))
+    with pytest.raises(ValueError, match=r"uniforms must be numbers in \[0, 1\)"):
+        S.propose(rows, bits, np.array([0.1, 0.2, -0.1, 0.3, 0.4]))
+    with pytest.raises(ValueError, match=r"uniforms must be numbers in \[0, 1\)"):
+        S.propose(rows, bits, np.array([0.1, 0.2, np.nan, 0.3, 1.0]))
+    with pytest.raises(ValueError, match="width"):
+        S.propose(rows, bits, np.zeros(5), width=78)
+    with pytest.raises(ValueError, match="temperature"):
+        S.propose(rows, bits, np.zeros(5), -1.0)
+
+
+def test_the_torch_mask_kernel_equals_xgrammars():
+    rng = np.random.default_rng(1)
+    rows = torch.randn(6, 300)
+    bits = S.pack(rng.random((6, 300)) < 0.3)
+    a, b = rows.clone(), rows.clone()
+    used = S.apply_bitmask(a, bits[:, : S.words(290)].contiguous(), 290)
+    assert S.apply_bitmask(b, bits[:, : S.words(290)].contiguous(), 290, kernel="torch") == "torch"
+    assert used in ("xgrammar", "torch")
+    assert torch.equal(a, b) and torch.equal(a[:, 290:], rows[:, 290:])
+    # float64 rows (xgrammar's kernels take 16/32-bit floats): the torch op, and xgrammar stays in use
+    d = rows.double()
+    assert S.apply_bitmask(d, bits[:, : S.words(290)].contiguous(), 290) == "torch"
+    assert torch.equal(d, a.double())
+    if used == "xgrammar":
+        assert S.mask_kernel_error("cpu") is None and S.mask_kernel("cpu") == "xgrammar"
+
+
+def test_importing_the_step_imports_neither_vllm_nor_transformers():
+    code = ("import sys; import genlm_vlm.smc.step; "
+            "print(sorted(m for m in ('vllm', 'transformers', 'xgrammar') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_gpu_controller_check_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu/controller_check.py at a tiny width on the CPU: every cell ok, the JSON
+    written with the fields the GPU run reports."""
+    cmd = [sys.executable, "benchmarks/gpu/controller_check.py", "--device", "cpu", "--out", str(tmp_path),
+           "--width", "2048", "--ms", "3", "8", "--reps", "2", "--warmup", "1", "--host-reps", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads((tmp_path / "controller_check.json").read_text())
+    assert res["ok"] and len(res["cells"]) == 6
+    for cell in res["cells"]:
+        for key in ("step_ms", "bytes_to_device", "bytes_to_host", "mask_kernel", "path", "token_mismatch",
+                    "max_rel_err", "host_path_ms", "repeat_identical"):
+            assert key in cell, key
+        assert cell["dead_row_died"] and cell["padding_never_drawn"] and cell["bytes_to_host"] == 16 * cell["m"]
+    assert {c["path"] for c in res["cells"]} == {"dense", "gather"}
+
+
+# ------------------------------------------------------------------------------ in the controller
+def _mock(**kw):
+    from genlm_vlm import MockAsyncLM
+
+    return MockAsyncLM(seed=1, **kw)
+
+
+def _fingerprint(result) -> list:
+    return [(p.token_ids, p.log_weight, p.status) for p in result.particles]
+
+
+def test_a_token_mask_may_return_a_bitmask():
+    """The same run whether the mask function returns bool [m, V], an int32 bitmask (numpy or
+    torch) or a bool tensor; a wrong shape is refused with the shapes it accepts."""
+    from genlm_vlm.smc import TokenMask
+
+    lm = _mock()
+    v = lm.vocab_size
+    allow = np.zeros(v, dtype=bool)
+    allow[[3, 5, 8, 13, 21, 34, 55]] = True
+    allow[lm.tokenizer.eos_token_id] = True
+    bits = S.pack(allow[None, :])
+
+    def as_bool(gens):
+        out = np.repeat(allow[None, :], len(gens), axis=0)
+        for k, g in enumerate(gens):  # state-dependent: no token twice in a row
+            if g:
+                out[k, g[-1]] = False
+        return out
+
+    variants = {
+        "bool": as_bool,
+        "bits numpy": lambda gens: S.pack(as_bool(gens)).numpy(),
+        "bits torch": lambda gens: S.pack(as_bool(gens)),
+        "bool torch": lambda gens: torch.from_numpy(as_bool(gens)),
+    }
+    runs = {k: lm.smc_sync([1, 2], TokenMask(fn, k), 10, 8, seed=4, ess_threshold=0.8) for k, fn in variants.items()}
+    base = _fingerprint(runs["bool"])
+    assert all(_fingerprint(r) == base for r in runs.values())
+    assert all(set(p.token_ids) <= set(np.flatnonzero(allow)) for p in runs["bool"].particles)
+    with pytest.raises(ValueError, match=rf"bool \[1, {v}\] or an int32 bitmask \[1, {S.words(v)}\]"):
+        lm.smc_sync([1, 2], TokenMask(lambda g: np.repeat(bits.numpy()[:, :-1], len(g), 0)), 4, 4)
+    lm.cleanup()
+
+
+def test_a_seeded_run_is_the_same_whatever_the_thread_count_and_never_draws_padding():
+    """A whole seeded run (MockAsyncLM: its rows do not depend on threads) gives the same bytes
+    with 1 and 2 torch threads; a mask that allows every column never draws the padding columns
+    (the model's width past its vocabulary), and the stats report the step's costs."""
+    from genlm_vlm.smc import TokenMask
+
+    byte_vocab = [b""] + [bytes([c]) for c in range(97, 123)] + [b"<eos>"]
+    lm = _mock(byte_vocab=byte_vocab, eos_token_id=len(byte_vocab) - 1, vocab_size=64)
+    everything = TokenMask(lambda g: np.ones((len(g), 64), dtype=bool), "everything")
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            runs.append(lm.smc_sync([1], everything, 16, 10, seed=9, ess_threshold=0.7))
+    finally:
+        torch.set_num_threads(before)
+    assert _fingerprint(runs[0]) == _fingerprint(runs[1]) == _fingerprint(runs[2])
+    assert all(t < len(byte_vocab) for r in runs for p in r.particles for t in p.token_ids)
+    stats = runs[0].stats
+    for key in ("mask_s", "mask_ms_per_step", "step_ms_per_step", "controller_s"):
+        assert stats[key] >= 0, key
+    assert stats["mask_s"] <= stats["controller_s"]
+    lm.cleanup()
+
+
+def test_masks_are_asked_once_per_distinct_history():
+    """Resampled copies share their history: the mask function sees each history once a step."""
+    from genlm_vlm.smc import TokenMask
+
+    lm = _mock()
+    calls = []
+
+    def fn(gens):
+        calls.append(list(gens))
+        out = np.zeros((len(gens), lm.vocab_size), dtype=bool)
+        out[:, 3:40] = True  # no EOS: every particle runs to max_tokens
+        return out
+
+    r = lm.smc_sync([1, 2], TokenMask(fn, "some"), 16, 8, seed=2, ess_threshold=1.0)
+    assert r.resamples >= 3
+    steps = calls[1:]  # the first call is bind's check of the empty prefix
+    assert all(len(set(c)) == len(c) for c in steps)
+    assert sum(len(c) for c in steps) < r.stats["rows"]  # copies shared a call's row
+    lm.cleanup()
+
+
+def test_a_bound_constraint_may_implement_masks_or_bitmasks():
+    from genlm_vlm.smc.constraints import BoundConstraint, unpack_bits, usable_width
+
+    class OnlyMasks(BoundConstraint):
+        width = 40
+
+        def initial(self):
+            return ()
+
+        def masks(self, states):
+            out = np.zeros((len(states), 40), dtype=bool)
+            out[:, [1, 33, 39]] = True
+            return out
+
+        def advance(self, state, token):
+            return state
+
+        def copy(self, state):
+            return state
+
+    class Neither(OnlyMasks):
+        masks = BoundConstraint.masks
+
+    bits = OnlyMasks().bitmasks([(), ()])
+    assert bits.dtype == torch.int32 and bits.shape == (2, 2)
+    assert np.array_equal(unpack_bits(bits, 40), OnlyMasks().masks([(), ()]))
+    with pytest.raises(NotImplementedError, match="must implement bitmasks"):
+        Neither().bitmasks([()])
+    assert usable_width([b"a", b"", b"bc", b"", b""], [0]) == 3
+    assert usable_width([b"a", b"", b"", b"", b""], [3]) == 4  # EOS with no bytes counts
