@@ -56,8 +56,8 @@ from typing import Any
 
 import torch
 
-from .base import AsyncLM, TokenIds
-from .vocab import unpadded_length
+from ..base import AsyncLM, TokenIds
+from ..vocab import unpadded_length
 
 __all__ = ["UnpaddedLM", "prompted_llm", "without_padding"]
 
