@@ -8,7 +8,11 @@ the constraint's allowed tokens for the particle's state:
   ``row[x] - log q(x)`` (at ``t = 1``: exactly ``log_mass``);
 * a mask that keeps no probability ends the particle with weight zero (it *dies*);
 * the token is drawn by inverse CDF from one uniform of the run's generator; EOS (allowed where
-  the constraint accepts) ends the particle (*finished*); ``max_tokens`` tokens end it (*cut*).
+  the constraint accepts) ends the particle (*finished*); ``max_tokens`` tokens end it (*cut*);
+* with ``force_eos``, ``max_tokens`` counts the EOS (genlm-control's convention): a particle that
+  has generated ``max_tokens - 1`` tokens may only take EOS next (its mask is cut to the EOS ids),
+  so it finishes with its weight grown by ``log P(EOS)`` where the constraint accepts its text,
+  and dies where it does not; no particle is cut.
 
 After each step, if the effective sample size of the weights is below ``ess_threshold * N`` and
 a particle is still live, the particles are resampled (``"multinomial"``, ``"stratified"`` or
@@ -146,7 +150,8 @@ class SMCController(Controller):
 
     def __init__(self, constraint: BoundConstraint, n_particles: int, max_tokens: int, *,
                  eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
-                 resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None) -> None:
+                 resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,
+                 force_eos: bool = False) -> None:
         self.constraint = constraint
         self.n_particles = n_particles
         self.max_tokens = max_tokens
@@ -168,6 +173,9 @@ class SMCController(Controller):
         self.died_at: int | None = None
         self.rows = 0
         self.seconds = 0.0
+        self.force_eos = force_eos
+        self.forced = 0  # particles whose last token was cut to EOS (force_eos)
+        self._eos_only: np.ndarray | None = None
 
     # ------------------------------------------------------------------ one step
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:
@@ -178,6 +186,7 @@ class SMCController(Controller):
             rows = rows.cpu()
         values = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
         masks = self.constraint.masks([self.states[i] for i in particles])
+        masks = self._last_token_masks(masks, particles)  # force_eos: the max_tokens-th token is EOS
         if values.shape[0] * values.shape[1] <= DENSE_LIMIT:
             proposals = self._propose_dense(values, masks)
         else:
@@ -252,6 +261,22 @@ class SMCController(Controller):
         incr = ztop + math.log(total) if t == 1.0 else float(vals[j]) - (float(z[j]) - ztop - math.log(total))
         return int(allowed[j]), incr
 
+    def _last_token_masks(self, masks: np.ndarray, particles: Sequence[int]) -> np.ndarray:
+        """With ``force_eos``: the rows of particles that have generated ``max_tokens - 1``
+        tokens keep only their allowed EOS ids (a copy; ``masks`` itself is left alone)."""
+        if not self.force_eos:
+            return masks
+        last = [k for k, i in enumerate(particles) if len(self.tokens[i]) >= self.max_tokens - 1]
+        if not last:
+            return masks
+        if self._eos_only is None or self._eos_only.shape[0] != masks.shape[1]:
+            self._eos_only = np.zeros(masks.shape[1], dtype=bool)
+            self._eos_only[[e for e in self.eos if 0 <= e < masks.shape[1]]] = True
+        masks = np.array(masks, dtype=bool, copy=True)
+        masks[last] &= self._eos_only
+        self.forced += len(last)
+        return masks
+
     def _apply(self, i: int, proposal: tuple[int, float] | None) -> int | None:
         """Particle ``i`` takes its proposed token (or dies); returns what the runner feeds it."""
         if proposal is None:
@@ -318,6 +343,7 @@ class SMCController(Controller):
             "cut": sum(p.status == "cut" for p in particles),
             "dead": sum(p.status == "dead" for p in particles),
             "died_at": self.died_at,
+            "forced_eos": self.forced,
             "controller_s": round(self.seconds, 6),
             "constraint_s": round(self.constraint.seconds, 6),
         }

@@ -41,7 +41,7 @@ def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
 
 def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
             ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
-            lora_name: str | None = None, eos_token_ids: Any = None,
+            lora_name: str | None = None, eos_token_ids: Any = None, force_eos: Any = False,
             build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
     """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller; every
     problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it. With
@@ -73,6 +73,8 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
     if isinstance(temperature, bool) or not (0.0 <= temp < math.inf):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     seed = check_seed(seed, "seed")
+    if not isinstance(force_eos, bool):
+        raise ValueError(f"force_eos must be True or False, got {force_eos!r}")
     loras = getattr(lm, "_loras", None)
     if loras is not None:
         loras.resolve(lora_name)  # an unknown adapter fails here, before any engine work
@@ -84,7 +86,7 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
         return prompt, None
     controller = SMCController(
         bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=lm._byte_strings,
-        ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed,
+        ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed, force_eos=force_eos,
     )
     return prompt, controller
 
