@@ -229,3 +229,86 @@ async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm
           f"TV(genlm-control, exact) {_tv(_pooled(theirs), exact):.3f}, mean Z-hat/Z {z_ratio:.3f}")
     # within the Monte Carlo error of genlm-control's own estimate (its distance to the truth)
     assert tv_theirs < _tv(_pooled(theirs), exact) + 0.1, (tv_theirs, pooled, _pooled(theirs))
+
+
+# ---------------------------------------------------------------------------------- refusals
+async def test_refusals_name_the_part_and_why(gc, llm):
+    from genlm_vlm import control
+
+    fsa = gc.BoolFSA.from_regex(r"[a-z]+")
+    cond = fsa.coerce(llm, f=b"".join)
+    cases = [
+        (gc.AWRS(llm, gc.WFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)), None, "WFSA is a weighted potential"),
+        (gc.AWRS(llm, fsa.coerce(llm, f=lambda xs: b"".join(xs).lower())), None, r"coerce\(\.\.\., f=.*only f=b''\.join"),
+        (gc.topk_token_sampler(llm, fsa, K=4), None, "set sampler TopKSetSampler"),
+        (gc.direct_token_sampler(llm), llm, "the critic has a PromptedLLM factor"),
+        (gc.AWRS(llm.spawn(temperature=0.5), cond), None, r"temperature=0\.5\) tempers the target"),
+        (gc.AWRS(llm, gc.BoolCFG.from_lark('start: "é"+').coerce(llm, f=b"".join)), None, "not an ASCII byte"),
+        (gc.AWRS(llm, gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)), None, "pass json_schema=True"),
+        (gc.AWRS(llm, cond, proper_weights=False), None, r"proper_weights=False\) is not properly weighted"),
+        (gc.direct_token_sampler(llm * llm.spawn()), None, "2 PromptedLLM factors"),
+    ]
+    for sampler, critic, message in cases:
+        with pytest.raises(control.UntranslatableError, match=message):
+            await control.smc(sampler, 4, 0.5, 4, critic=critic)
+    with pytest.raises(control.UntranslatableError, match="resampling_method='residual'"):
+        await control.smc(gc.AWRS(llm, cond), 4, 0.5, 4, resampling_method="residual")
+
+
+async def test_fallback_runs_genlm_controls_own_smc(gc, llm):
+    from genlm_vlm import control
+
+    weighted = gc.WFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)
+    np.random.seed(0)
+    seqs = await control.smc(gc.direct_token_sampler(llm), 4, 0.5, 3, critic=weighted, fallback=True)
+    from genlm.control.sampler.sequence import Sequences
+
+    assert isinstance(seqs, Sequences) and len(seqs) == 4
+    cond = gc.BoolFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)
+    seqs = await control.smc(gc.AWRS(llm, cond, seed=0), 4, 0.5, 3, resampling_method="residual", fallback=True)
+    assert len(seqs) == 4 and all(w == -math.inf or c[-1] is gc.EOS for c, w in seqs)
+
+
+async def test_translation_is_kept_and_compiled_once(gc, llm, llama_lm):
+    from genlm_vlm import control
+    from genlm_vlm.control.translate import condition_constraint
+
+    fsa = gc.BoolFSA.from_regex(r"(yes|no)")
+    cond = fsa.coerce(llm, f=b"".join)
+    for seed in range(3):
+        seqs = await control.smc(gc.AWRS(llm, cond), 8, 0.5, 6, seed=seed)
+        assert set(seqs.decoded_posterior) <= {"yes", "no"}
+    translated = condition_constraint(fsa)
+    assert translated is condition_constraint(fsa) and translated.compilations == 1
+
+
+async def test_json_schema_opt_in(gc, llm):
+    from genlm_vlm import control
+
+    cond = gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)
+    seqs = await control.smc(gc.AWRS(llm, cond), 8, 0.5, 8, seed=0, json_schema=True)
+    for text in seqs.decoded_posterior:
+        assert isinstance(__import__("json").loads(text), int), text
+
+
+# ---------------------------------------------------------------------------------- lm.smc(force_eos=True)
+async def test_force_eos_counts_eos_in_max_tokens_and_weights_it(llama_lm):
+    import torch
+
+    from genlm_vlm.smc import Regex, api
+
+    tok = llama_lm.tokenizer
+    prompt = [tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)]
+    eos = tok.eos_token_id
+    res = await llama_lm.smc(prompt, Regex(r"[a-z]+"), 8, 2, ess_threshold=0.0, seed=0, force_eos=True)
+    assert res.n_cut == 0 and res.stats["forced_eos"] == 8
+    row0 = (await llama_lm.next_token_logprobs(prompt)).double()
+    bound = api.bind(llama_lm, Regex(r"[a-z]+"), (eos,))
+    mask0 = bound.masks([bound.initial()])[0]
+    log_mass0 = float(torch.logsumexp(row0[torch.from_numpy(mask0)], 0))
+    for p in res.particles:
+        assert len(p.token_ids) == 1 and p.finished  # one letter token, then the forced EOS
+        row1 = (await llama_lm.next_token_logprobs(prompt + p.token_ids)).double()
+        assert math.isclose(p.log_weight, log_mass0 + float(row1[eos]), abs_tol=1e-4)
+    with pytest.raises(ValueError, match="force_eos must be True or False"):
+        await llama_lm.smc(prompt, Regex(r"[a-z]+"), 2, 2, force_eos=1)
