@@ -430,6 +430,7 @@ class AsyncLM(ABC):
         lora_name: str | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
         force_eos: bool = False,
+        target_temperature: float = 1.0,
         in_engine: bool = True,
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
@@ -442,7 +443,9 @@ class AsyncLM(ABC):
         effective sample size falls below ``ess_threshold * n_particles``. ``force_eos=True``:
         ``max_tokens`` counts the EOS and the ``max_tokens``-th token is EOS, forced (weighted by
         ``log P(EOS)`` where the constraint accepts; genlm-control's semantics), so no particle
-        is cut. With ``seed`` the
+        is cut. ``target_temperature=tau`` tempers the target (rows become
+        ``log_softmax(row / tau)``, as genlm-control's ``PromptedLLM(temperature=tau)``), where
+        ``temperature`` tempers only the proposal. With ``seed`` the
         run is reproducible, and the same wherever it runs: on an
         :class:`~genlm_vlm.AsyncVirtualLM` the whole run is one *burst* on the engine thread
         (``in_engine=False``: per token in Python over :meth:`batch_next_token_logprobs`, the
@@ -455,6 +458,7 @@ class AsyncLM(ABC):
             self, prompt_ids, constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
             resampling=resampling, temperature=temperature, seed=seed, lora_name=lora_name,
             eos_token_ids=eos_token_ids, force_eos=force_eos,
+            target_temperature=target_temperature,
         )
         return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine)
 

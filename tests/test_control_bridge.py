@@ -125,7 +125,7 @@ RUNS = 64  # bridge runs pooled (cheap: one burst each)
 THEIR_RUNS = 16  # genlm-control's own runs pooled (per token)
 
 
-async def _exact(llm, lm, constraint) -> tuple[dict[str, float], float]:
+async def _exact(llm, lm, constraint, tau: float = 1.0) -> tuple[dict[str, float], float]:
     """The exact posterior over texts (and log Z) of ``llm`` under ``constraint`` with
     genlm-control's ``max_tokens`` convention, by enumerating every allowed token path."""
     import torch
@@ -142,7 +142,7 @@ async def _exact(llm, lm, constraint) -> tuple[dict[str, float], float]:
         masks = bound.masks([s for _, _, s in level])
         nxt = []
         for (path, lp, state), row, mask in zip(level, rows, masks, strict=True):
-            row = row.double()
+            row = torch.log_softmax(row.double() / tau, 0)
             if mask[eos].any():
                 text = b"".join(lm.byte_vocab[t].byte_string for t in path).decode()
                 w = math.exp(lp + float(torch.logsumexp(row[eos], 0)))
@@ -242,7 +242,7 @@ async def test_refusals_name_the_part_and_why(gc, llm):
         (gc.AWRS(llm, fsa.coerce(llm, f=lambda xs: b"".join(xs).lower())), None, r"coerce\(\.\.\., f=.*only f=b''\.join"),
         (gc.topk_token_sampler(llm, fsa, K=4), None, "set sampler TopKSetSampler"),
         (gc.direct_token_sampler(llm), llm, "the critic has a PromptedLLM factor"),
-        (gc.AWRS(llm.spawn(temperature=0.5), cond), None, r"temperature=0\.5\) tempers the target"),
+        (gc.AWRS(llm.spawn(temperature=0.0), cond), None, r"temperature=0\.0\): the target temperature must be > 0"),
         (gc.AWRS(llm, gc.BoolCFG.from_lark('start: "é"+').coerce(llm, f=b"".join)), None, "not an ASCII byte"),
         (gc.AWRS(llm, gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)), None, "pass json_schema=True"),
         (gc.AWRS(llm, cond, proper_weights=False), None, r"proper_weights=False\) is not properly weighted"),
@@ -312,3 +312,48 @@ async def test_force_eos_counts_eos_in_max_tokens_and_weights_it(llama_lm):
         assert math.isclose(p.log_weight, log_mass0 + float(row1[eos]), abs_tol=1e-4)
     with pytest.raises(ValueError, match="force_eos must be True or False"):
         await llama_lm.smc(prompt, Regex(r"[a-z]+"), 2, 2, force_eos=1)
+
+
+async def test_bridge_tempers_the_target_as_promptedllm_does(gc, many_eos_llm, llama_lm):
+    """Each particle's weight is the product of its masses under log_softmax(row / tau) (exact
+    check); the pooled posterior matches the tempered exact one (tau = 1.5: sharper targets
+    have heavier-tailed weights than N = 32 pools well)."""
+    import torch
+
+    from genlm_vlm import control
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import api
+
+    fsa = gc.BoolFSA.from_regex(LANGUAGE)
+    for tau in (0.7, 1.5):
+        llm = many_eos_llm.spawn(temperature=tau)
+        assert llm.temperature == tau and llm.prompt_ids == many_eos_llm.prompt_ids
+        cond = fsa.coerce(llm, f=b"".join)
+        constraint = constraint_for(Plan(llm, [condition_constraint(fsa)]))
+        seqs = await control.smc(gc.AWRS(llm, cond), 4, 0.0, MAX_TOKENS, seed=0)
+        bound = api.bind(llama_lm, constraint, tuple(llm.token_maps.eos_idxs))
+        for context, log_w in seqs:
+            ids = [t.token_id for t in context[:-1]]
+            state, want = bound.initial(), 0.0
+            for k in range(len(ids) + 1):
+                row = await llama_lm.next_token_logprobs(list(llm.prompt_ids) + ids[:k])
+                row = torch.log_softmax(row.double() / tau, 0)
+                mask = torch.from_numpy(bound.masks([state])[0])
+                want += float(torch.logsumexp(row[mask], 0))
+                if k < len(ids):
+                    state = bound.advance(state, ids[k])
+            assert math.isclose(log_w, want, abs_tol=1e-4), (tau, ids, log_w, want)
+
+    llm = many_eos_llm.spawn(temperature=1.5)
+    cond = fsa.coerce(llm, f=b"".join)
+    constraint = constraint_for(Plan(llm, [condition_constraint(fsa)]))
+    exact, log_z = await _exact(llm, llama_lm, constraint, tau=1.5)
+    untempered, _ = await _exact(llm, llama_lm, constraint)
+    assert _tv(exact, untempered) > 0.05  # the temperature changes the target visibly
+    ours = [await control.smc(gc.AWRS(llm, cond), 32, 0.5, MAX_TOKENS, seed=seed) for seed in range(RUNS)]
+    tv = _tv(_pooled(ours), exact)
+    z_ratio = np.mean([math.exp(s.log_ml - log_z) for s in ours])
+    print(f"tau 1.5: TV(bridge, exact) {tv:.3f}, TV(exact, untempered) {_tv(exact, untempered):.3f}, Z-hat/Z {z_ratio:.3f}")
+    assert tv < 0.1, (tv, _pooled(ours), exact)
+    assert 0.8 < z_ratio < 1.2, z_ratio

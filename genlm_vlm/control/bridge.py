@@ -7,8 +7,9 @@ the target is one :class:`~genlm.control.PromptedLLM` over a genlm_vlm model tim
 conditions, the same target is run here as :meth:`~genlm_vlm.AsyncLM.smc` with the locally
 optimal proposal (on an :class:`~genlm_vlm.AsyncVirtualLM`: one burst on the engine thread),
 with genlm-control's conventions: ``max_tokens`` counts the EOS, which is forced at the limit
-and weighted by ``log P(EOS)`` (``force_eos=True``); the prompt, the EOS ids and the LoRA are
-the ``PromptedLLM``'s. The result is genlm-control's own ``Sequences``.
+and weighted by ``log P(EOS)`` (``force_eos=True``); the ``PromptedLLM``'s temperature tempers
+the target (``target_temperature=``); the prompt, the EOS ids and the LoRA are the
+``PromptedLLM``'s. The result is genlm-control's own ``Sequences``.
 
 Anything that cannot run exactly so is refused with :class:`UntranslatableError` naming the part
 and why, or, with ``fallback=True``, run by genlm-control itself, per token.
@@ -129,11 +130,12 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
         raise UntranslatableError(
             f"the PromptedLLM's model is a {type(llm.model).__name__}, not a genlm_vlm model"
         )
-    if float(llm.temperature) != 1.0:
-        raise UntranslatableError(
-            f"PromptedLLM(temperature={llm.temperature}) tempers the target, which lm.smc does not "
-            "(its temperature= tempers only the proposal)"
-        )
+    try:
+        tau = float(llm.temperature)
+    except (TypeError, ValueError):
+        tau = math.nan
+    if not 0.0 < tau < math.inf:
+        raise UntranslatableError(f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be > 0")
     return Plan(llm, conds)
 
 
@@ -229,7 +231,8 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     result = await llm.model.smc(
         list(llm.prompt_ids), constraint_for(p), n_particles, max_tokens, ess_threshold=ess_threshold,
         resampling=resampling_method, seed=seed, lora_name=llm.lora_name,
-        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, in_engine=in_engine,
+        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, target_temperature=float(llm.temperature),
+        in_engine=in_engine,
     )
     return to_sequences(llm, result)
 

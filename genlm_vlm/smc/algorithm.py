@@ -12,7 +12,10 @@ the constraint's allowed tokens for the particle's state:
 * with ``force_eos``, ``max_tokens`` counts the EOS (genlm-control's convention): a particle that
   has generated ``max_tokens - 1`` tokens may only take EOS next (its mask is cut to the EOS ids),
   so it finishes with its weight grown by ``log P(EOS)`` where the constraint accepts its text,
-  and dies where it does not; no particle is cut.
+  and dies where it does not; no particle is cut;
+* with ``target_temperature`` ``tau != 1`` the target itself is tempered: each row becomes
+  ``log_softmax(row / tau)`` before anything else (genlm-control's ``PromptedLLM(temperature=)``),
+  where ``temperature`` tempers only the proposal.
 
 After each step, if the effective sample size of the weights is below ``ess_threshold * N`` and
 a particle is still live, the particles are resampled (``"multinomial"``, ``"stratified"`` or
@@ -151,7 +154,7 @@ class SMCController(Controller):
     def __init__(self, constraint: BoundConstraint, n_particles: int, max_tokens: int, *,
                  eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
                  resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,
-                 force_eos: bool = False) -> None:
+                 force_eos: bool = False, target_temperature: float = 1.0) -> None:
         self.constraint = constraint
         self.n_particles = n_particles
         self.max_tokens = max_tokens
@@ -174,6 +177,7 @@ class SMCController(Controller):
         self.rows = 0
         self.seconds = 0.0
         self.force_eos = force_eos
+        self.target_temperature = target_temperature
         self.forced = 0  # particles whose last token was cut to EOS (force_eos)
         self._eos_only: np.ndarray | None = None
 
@@ -185,6 +189,7 @@ class SMCController(Controller):
         if getattr(rows, "device", None) is not None and rows.device.type != "cpu":
             rows = rows.cpu()
         values = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
+        values = self._target_rows(values)  # target_temperature: log_softmax(rows / tau)
         masks = self.constraint.masks([self.states[i] for i in particles])
         masks = self._last_token_masks(masks, particles)  # force_eos: the max_tokens-th token is EOS
         if values.shape[0] * values.shape[1] <= DENSE_LIMIT:
@@ -260,6 +265,17 @@ class SMCController(Controller):
         j = min(int(np.searchsorted(cdf, self.rng.random() * total, side="right")), len(cdf) - 1)
         incr = ztop + math.log(total) if t == 1.0 else float(vals[j]) - (float(z[j]) - ztop - math.log(total))
         return int(allowed[j]), incr
+
+    def _target_rows(self, values: np.ndarray) -> np.ndarray:
+        """The target's rows: ``values`` as they are, or ``log_softmax(values / tau)`` (float64
+        arithmetic, float32 out) with ``target_temperature`` ``tau != 1``."""
+        tau = self.target_temperature
+        if tau == 1.0:
+            return values
+        z = np.asarray(values, dtype=np.float64) / tau
+        z -= z.max(axis=1, keepdims=True)
+        z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return z.astype(np.float32)
 
     def _last_token_masks(self, masks: np.ndarray, particles: Sequence[int]) -> np.ndarray:
         """With ``force_eos``: the rows of particles that have generated ``max_tokens - 1``

@@ -42,7 +42,7 @@ def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
 def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
             ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
             lora_name: str | None = None, eos_token_ids: Any = None, force_eos: Any = False,
-            build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
+            target_temperature: Any = 1.0, build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
     """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller; every
     problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it. With
     ``build=False`` the constraint is still compiled (that is where a bad pattern or an empty
@@ -72,6 +72,12 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
         temp = math.nan
     if isinstance(temperature, bool) or not (0.0 <= temp < math.inf):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    try:
+        tau = float(target_temperature)
+    except (TypeError, ValueError):
+        tau = math.nan
+    if isinstance(target_temperature, bool) or not (0.0 < tau < math.inf):
+        raise ValueError(f"target_temperature must be a finite number > 0, got {target_temperature!r}")
     seed = check_seed(seed, "seed")
     if not isinstance(force_eos, bool):
         raise ValueError(f"force_eos must be True or False, got {force_eos!r}")
@@ -87,6 +93,7 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
     controller = SMCController(
         bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=lm._byte_strings,
         ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed, force_eos=force_eos,
+        target_temperature=tau,
     )
     return prompt, controller
 
