@@ -357,3 +357,20 @@ async def test_bridge_tempers_the_target_as_promptedllm_does(gc, many_eos_llm, l
     print(f"tau 1.5: TV(bridge, exact) {tv:.3f}, TV(exact, untempered) {_tv(exact, untempered):.3f}, Z-hat/Z {z_ratio:.3f}")
     assert tv < 0.1, (tv, _pooled(ours), exact)
     assert 0.8 < z_ratio < 1.2, z_ratio
+
+
+async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
+    """Padded logit columns are tokens with no bytes: genlm-control's coerced condition allows
+    them wherever the text so far can be completed; so do the bridge's masks."""
+    from genlm_vlm import control
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.mock import MockAsyncLM
+
+    lm = MockAsyncLM(vocab_size=300, logit_scale=1.0)  # 258 tokens, 42 padded columns
+    llm = gc.PromptedLLM(lm, prompt_ids=[0], eos_byte_strings=[b"."])
+    fsa = gc.BoolFSA.from_regex(r"[a-c]{2}")
+    cond = fsa.coerce(llm, f=b"".join)
+    contexts, _ = await _walks(llm, cond, condition_constraint(fsa), lm, walks=4, depth=4, seed=0)
+    assert contexts >= 4
+    seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
+    assert set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
