@@ -374,3 +374,14 @@ async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
     assert contexts >= 4
     seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
     assert set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
+
+
+async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
+    from genlm_vlm import control
+
+    llm = many_eos_llm.spawn(temperature=0.7)
+    cond = gc.BoolFSA.from_regex(r"[aq]{1,4}").coerce(llm, f=b"".join)
+    runs = [await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, seed=3, in_engine=flag) for flag in (True, False)]
+    (a, b) = runs
+    assert [list(c) for c in a.contexts] == [list(c) for c in b.contexts]
+    assert np.array_equal(a.log_weights, b.log_weights) and a.log_ml == b.log_ml

@@ -186,10 +186,10 @@ class SMCController(Controller):
         t0 = time.perf_counter()
         self.steps += 1
         self.rows += len(particles)
+        rows = self._target_rows(rows)  # target_temperature: log_softmax(rows / tau), on the rows' device
         if getattr(rows, "device", None) is not None and rows.device.type != "cpu":
             rows = rows.cpu()
         values = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
-        values = self._target_rows(values)  # target_temperature: log_softmax(rows / tau)
         masks = self.constraint.masks([self.states[i] for i in particles])
         masks = self._last_token_masks(masks, particles)  # force_eos: the max_tokens-th token is EOS
         if values.shape[0] * values.shape[1] <= DENSE_LIMIT:
@@ -266,13 +266,16 @@ class SMCController(Controller):
         incr = ztop + math.log(total) if t == 1.0 else float(vals[j]) - (float(z[j]) - ztop - math.log(total))
         return int(allowed[j]), incr
 
-    def _target_rows(self, values: np.ndarray) -> np.ndarray:
-        """The target's rows: ``values`` as they are, or ``log_softmax(values / tau)`` (float64
-        arithmetic, float32 out) with ``target_temperature`` ``tau != 1``."""
+    def _target_rows(self, rows: Any) -> Any:
+        """The target's rows: ``rows`` as they are, or ``log_softmax(rows / tau)`` (float32, as
+        genlm-control's ``PromptedLLM`` tempers) with ``target_temperature`` ``tau != 1``; a torch
+        tensor stays on its device, anything else becomes numpy."""
         tau = self.target_temperature
         if tau == 1.0:
-            return values
-        z = np.asarray(values, dtype=np.float64) / tau
+            return rows
+        if hasattr(rows, "log_softmax"):  # a torch tensor
+            return (rows.float() / tau).log_softmax(dim=-1)
+        z = np.asarray(rows, dtype=np.float64) / tau
         z -= z.max(axis=1, keepdims=True)
         z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
         return z.astype(np.float32)
