@@ -269,7 +269,6 @@ def test_bad_arguments_fail_before_engine_work(fresh_lm):
     prompt = _prompt(lm)
     before = lm.stats["engine_requests"]
     bad = [
-        (dict(constraint=Regex("(")), ConstraintError, "does not compile"),
         (dict(constraint=TokenMask(lambda g: np.zeros((len(g), lm.vocab_size), bool))), ConstraintError, "empty language"),
         (dict(constraint=42), ConstraintError, "constraint must be"),
         (dict(n_particles=0), ValueError, "n_particles"),
@@ -287,6 +286,14 @@ def test_bad_arguments_fail_before_engine_work(fresh_lm):
         with pytest.raises(err, match=match):
             lm.smc_sync(args.pop("prompt_ids"), args.pop("constraint"), args.pop("n_particles"), args.pop("max_tokens"), **args)
     assert lm.stats["engine_requests"] == before
+
+
+def test_a_bad_regex_fails_when_the_constraint_is_built():
+    with pytest.raises(ConstraintError, match=r"Regex\('a\(b'\) does not compile: Regex parsing error at position 4: The parenthesis"):
+        Regex("a(b")
+    with pytest.raises(ConstraintError, match="does not compile"):
+        Regex("[z-a]")
+    assert Regex(r"[a-z]+@(x|y)\.com").pattern == r"[a-z]+@(x|y)\.com"
 
 
 async def test_a_failing_mask_function_fails_its_run_only(llama_lm):
