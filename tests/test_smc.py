@@ -296,6 +296,26 @@ def test_a_bad_regex_fails_when_the_constraint_is_built():
     assert Regex(r"[a-z]+@(x|y)\.com").pattern == r"[a-z]+@(x|y)\.com"
 
 
+def test_json_schema_default_layout_has_no_free_whitespace_and_finishes(llama_lm):
+    """The default (max_whitespace=0) fixes the layout (", " and ": "), so a small model cannot
+    pad the gaps until max_tokens; free whitespace (max_whitespace=2) lets it."""
+    import json
+
+    lm = llama_lm
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}, "required": ["a", "b"]}
+    fixed = lm.smc_sync(_prompt(lm), JSONSchema(schema), 16, 24, seed=0)
+    assert fixed.n_finished == 16 and fixed.n_cut == 0, fixed.stats
+    for p in fixed.particles:
+        value = json.loads(p.text)
+        assert p.text.decode() == json.dumps(value)  # exactly json.dumps's layout
+    free = lm.smc_sync(_prompt(lm), JSONSchema(schema, max_whitespace=2), 16, 24, seed=0)
+    assert free.n_cut > 0  # padded with whitespace until cut
+    with pytest.raises(ConstraintError, match="max_whitespace must be an int >= 0"):
+        JSONSchema(schema, max_whitespace=-1)
+    with pytest.raises(ConstraintError, match=r"does not compile: Unsupported type \"nonsense\""):
+        JSONSchema({"type": "nonsense"})
+
+
 async def test_a_failing_mask_function_fails_its_run_only(llama_lm):
     lm = llama_lm
     prompt = _prompt(lm)
