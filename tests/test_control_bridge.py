@@ -385,3 +385,23 @@ async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
     (a, b) = runs
     assert [list(c) for c in a.contexts] == [list(c) for c in b.contexts]
     assert np.array_equal(a.log_weights, b.log_weights) and a.log_ml == b.log_ml
+
+
+async def test_products_of_conditions(gc, llm, llama_lm):
+    """A product of byte conditions (coerced together or one by one) is every condition's mask
+    at once; the bridge's texts satisfy all of them."""
+    import re
+
+    from genlm_vlm import control
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import AllOf
+
+    a, b = gc.BoolFSA.from_regex(r"[a-z]{1,6}"), gc.BoolFSA.from_regex(r"[^e]*")
+    together = (a * b).coerce(llm, f=b"".join)
+    apart = a.coerce(llm, f=b"".join) * b.coerce(llm, f=b"".join)
+    both = AllOf(condition_constraint(a), condition_constraint(b))
+    contexts, _ = await _walks(llm, together, both, llama_lm, walks=4, depth=6, seed=4)
+    assert contexts >= 6
+    for cond in (together, apart):
+        seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 8, seed=0)
+        assert seqs.decoded_posterior and all(re.fullmatch(r"[a-df-z]{1,6}", t) for t in seqs.decoded_posterior)
