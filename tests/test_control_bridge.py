@@ -405,3 +405,40 @@ async def test_products_of_conditions(gc, llm, llama_lm):
     for cond in (together, apart):
         seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 8, seed=0)
         assert seqs.decoded_posterior and all(re.fullmatch(r"[a-df-z]{1,6}", t) for t in seqs.decoded_posterior)
+
+
+async def test_bridge_runs_under_the_promptedllms_lora(gc, model_paths, tmp_path_factory):
+    """PromptedLLM(lora_name=...) runs under that adapter: each particle's weight is its
+    product of masses under the adapter's rows (exact), which differ from the base model's."""
+    import torch
+    from conftest import _engine
+    from test_lora import LORA_OPTS, _make_adapter
+
+    from genlm_vlm import control
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import api
+
+    lm = _engine(model_paths["llama"], LORA_OPTS)
+    if "bridge" not in lm.lora_names:
+        lm.add_new_lora(_make_adapter(model_paths["llama"], tmp_path_factory.mktemp("lora") / "bridge", 5), "bridge")
+    tok = lm.tokenizer
+    llm = gc.PromptedLLM(lm, prompt_ids=[tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)],
+                         lora_name="bridge")
+    fsa = gc.BoolFSA.from_regex(r"[a-z]{1,3}")
+    seqs = await control.smc(gc.AWRS(llm, fsa.coerce(llm, f=b"".join)), 4, 0.0, 4, seed=0)
+    bound = api.bind(lm, constraint_for(Plan(llm, [condition_constraint(fsa)])), tuple(llm.token_maps.eos_idxs))
+    differs = False
+    for context, log_w in seqs:
+        ids = [t.token_id for t in context[:-1]]
+        state, want, base = bound.initial(), 0.0, 0.0
+        for k in range(len(ids) + 1):
+            prefix = list(llm.prompt_ids) + ids[:k]
+            mask = torch.from_numpy(bound.masks([state])[0])
+            want += float(torch.logsumexp((await lm.next_token_logprobs(prefix, lora_name="bridge")).double()[mask], 0))
+            base += float(torch.logsumexp((await lm.next_token_logprobs(prefix)).double()[mask], 0))
+            if k < len(ids):
+                state = bound.advance(state, ids[k])
+        assert math.isclose(log_w, want, abs_tol=1e-4), (ids, log_w, want)
+        differs |= abs(base - want) > 1e-2
+    assert differs  # the adapter changes the weights: they were not the base model's
