@@ -374,6 +374,11 @@ async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
     assert contexts >= 4
     seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
     assert set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
+    # without_padding(lm): a view with no padded ids, run per token in Python (not in an engine)
+    view_llm = gc.PromptedLLM(control.without_padding(lm), prompt_ids=[0], eos_byte_strings=[b"."])
+    view_cond = fsa.coerce(view_llm, f=b"".join)
+    seqs = await control.smc(gc.AWRS(view_llm, view_cond), 16, 0.5, 6, seed=0)
+    assert seqs.decoded_posterior and set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
 
 
 async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
