@@ -280,6 +280,10 @@ async def test_translation_is_kept_and_compiled_once(gc, llm, llama_lm):
         assert set(seqs.decoded_posterior) <= {"yes", "no"}
     translated = condition_constraint(fsa)
     assert translated is condition_constraint(fsa) and translated.compilations == 1
+    import pickle  # to a replica: without the compiled grammars, which the receiver compiles
+
+    copy = pickle.loads(pickle.dumps(translated))
+    assert copy.ebnf == translated.ebnf and copy._compiled == {} and translated._compiled
 
 
 async def test_json_schema_opt_in(gc, llm):

@@ -209,6 +209,12 @@ class TranslatedGrammar(Grammar):
         self._compiled[id(compiler)] = (compiler, compiled)
         return compiled
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to a replica) without the compiled grammars: the receiver compiles its own."""
+        state = dict(self.__dict__)
+        state["_compiled"] = {}
+        return state
+
     def describe(self) -> str:
         return f"translated {self.source}"
 
