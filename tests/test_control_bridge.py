@@ -251,6 +251,8 @@ async def test_refusals_name_the_part_and_why(gc, llm):
     for sampler, critic, message in cases:
         with pytest.raises(control.UntranslatableError, match=message):
             await control.smc(sampler, 4, 0.5, 4, critic=critic)
+    with pytest.raises(ValueError, match="the critic's token type"):
+        await control.smc(gc.direct_token_sampler(llm), 4, 0.5, 4, critic=fsa)  # not coerced
     with pytest.raises(control.UntranslatableError, match="resampling_method='residual'"):
         await control.smc(gc.AWRS(llm, cond), 4, 0.5, 4, resampling_method="residual")
 

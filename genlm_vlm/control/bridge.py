@@ -112,6 +112,11 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
             f"{kind}: only direct_token_sampler, AWRS and eager_token_sampler are mapped onto the engine"
         )
     if critic is not None:
+        if getattr(critic, "token_type", None) != getattr(sampler, "token_type", None):
+            raise ValueError(  # what genlm-control's SMC says too
+                f"the critic's token type ({getattr(critic, 'token_type', None)}) is not the sampler's "
+                f"({getattr(sampler, 'token_type', None)}): coerce it, e.g. critic.coerce(llm, f=b''.join)"
+            )
         c_llms, c_conds = _conditions(_factors(critic), "the critic", json_schema)
         if c_llms:
             raise UntranslatableError(
