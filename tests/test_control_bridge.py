@@ -186,8 +186,8 @@ def many_eos_llm(gc, llama_lm):
     return gc.PromptedLLM(llama_lm, prompt_ids=prompt, eos_byte_strings=singles)
 
 
-@pytest.mark.parametrize("sampler_kind", ["awrs", "direct+critic", "eager"])
-async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm, llama_lm, sampler_kind):
+@pytest.mark.parametrize(("sampler_kind", "n"), [("awrs", 32), ("direct+critic", 32), ("eager", 32), ("awrs", 128)])
+async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm, llama_lm, sampler_kind, n):
     llm = many_eos_llm
     from genlm_vlm import control
     from genlm_vlm.control.bridge import Plan, constraint_for
@@ -206,10 +206,11 @@ async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm
         return gc.direct_token_sampler(llm), cond
 
     ours = []
-    for seed in range(RUNS):
+    runs = RUNS * 32 // n  # the same number of particles in all
+    for seed in range(runs):
         sampler, critic = make(seed)
-        ours.append(await control.smc(sampler, 32, 0.5, MAX_TOKENS, critic=critic, seed=seed))
-    assert all(len(s) == 32 for s in ours)
+        ours.append(await control.smc(sampler, n, 0.5, MAX_TOKENS, critic=critic, seed=seed))
+    assert all(len(s) == n for s in ours)
     assert all(c[-1] is gc.EOS or w == -math.inf for s in ours for c, w in s)  # every particle ends in EOS
     z_ratio = np.mean([math.exp(s.log_ml - log_z) for s in ours])
     pooled = _pooled(ours)
@@ -221,11 +222,11 @@ async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm
 
     np.random.seed(0)
     theirs = []
-    for run in range(THEIR_RUNS):
+    for run in range(THEIR_RUNS * 32 // n):
         sampler, critic = make(run)
-        theirs.append(await sampler.smc(32, 0.5, MAX_TOKENS, critic=critic))
+        theirs.append(await sampler.smc(n, 0.5, MAX_TOKENS, critic=critic))
     tv_theirs = _tv(pooled, _pooled(theirs))
-    print(f"{sampler_kind}: TV(bridge, exact) {tv_exact:.3f}, TV(bridge, genlm-control) {tv_theirs:.3f}, "
+    print(f"{sampler_kind}, N = {n}: TV(bridge, exact) {tv_exact:.3f}, TV(bridge, genlm-control) {tv_theirs:.3f}, "
           f"TV(genlm-control, exact) {_tv(_pooled(theirs), exact):.3f}, mean Z-hat/Z {z_ratio:.3f}")
     # within the Monte Carlo error of genlm-control's own estimate (its distance to the truth)
     assert tv_theirs < _tv(_pooled(theirs), exact) + 0.1, (tv_theirs, pooled, _pooled(theirs))
