@@ -429,6 +429,7 @@ class AsyncLM(ABC):
         seed: int | None = None,
         lora_name: str | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
+        force_eos: bool = False, target_temperature: float = 1.0,
         in_engine: bool = True,
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
@@ -438,8 +439,9 @@ class AsyncLM(ABC):
         regex, a ``dict`` a JSON schema). ``n_particles`` particles grow one token per step
         from ``prompt_ids`` until EOS (allowed where the constraint accepts; default: the
         tokenizer's ``eos_token_id``) or ``max_tokens``; resampled (``resampling``) when the
-        effective sample size falls below ``ess_threshold * n_particles``. With ``seed`` the
-        run is reproducible, and the same wherever it runs: on an
+        effective sample size falls below ``ess_threshold * n_particles`` (``force_eos`` and
+        ``target_temperature``: genlm-control's conventions, docs/API.md). With ``seed`` the run
+        is reproducible, and the same wherever it runs: on an
         :class:`~genlm_vlm.AsyncVirtualLM` the whole run is one *burst* on the engine thread
         (``in_engine=False``: per token in Python over :meth:`batch_next_token_logprobs`, the
         reference, byte-identical); on other models, per token in Python. Every argument is
@@ -450,7 +452,7 @@ class AsyncLM(ABC):
         prompt, controller = api.prepare(
             self, prompt_ids, constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
             resampling=resampling, temperature=temperature, seed=seed, lora_name=lora_name,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=eos_token_ids, force_eos=force_eos, target_temperature=target_temperature,
         )
         return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine)
 

@@ -500,7 +500,7 @@ async def test_a_padded_model_works_with_genlm_control_and_genlm_bytes_as_it_is(
 def test_pre_release_shims_are_gone(control):
     """0.1.0 was never released: the names kept for earlier development versions are removed."""
     assert not hasattr(control, "as_genlm_backend") and not hasattr(control, "GenlmBackendLM")
-    assert set(control.__all__) == {"UnpaddedLM", "prompted_llm", "without_padding"}
+    assert set(control.__all__) == {"UnpaddedLM", "UntranslatableError", "prompted_llm", "smc", "without_padding"}
 
 
 # ---------------------------------------------------------------------------------- import order

@@ -103,3 +103,27 @@ def test_engine_failure_mid_generate_then_next_call_is_clean(fresh_lm, model_pat
     prompts = [[11, 12], [13, 14, 15]]
     rows = lm.batch_next_token_logprobs_sync(prompts)
     assert max_abs_diff(rows, hf_reference_logprobs(model_paths["llama"], prompts)) < 1e-4
+
+
+def test_uncaught_tracebacks_have_no_rank_prefix(model_paths):
+    """torch.distributed (which vLLM initialises in-process) swaps sys.excepthook for one that
+    prefixes every traceback line with ``[rank0]:``; building a model keeps the process's own hook."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import ENGINE_OPTS
+
+    code = (
+        "import sys\n"
+        "from genlm_vlm import AsyncVirtualLM\n"
+        "lm = AsyncVirtualLM.from_name(sys.argv[1], eval(sys.argv[2]))\n"
+        "raise RuntimeError('boom from the script')\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**__import__("os").environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", code, model_paths["llama"], repr(ENGINE_OPTS)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: boom from the script" in proc.stderr
+    assert "[rank0]" not in proc.stderr, proc.stderr[-3000:]

@@ -280,7 +280,6 @@ def test_bad_arguments_fail_before_engine_work(fresh_lm):
     prompt = _prompt(lm)
     before = lm.stats["engine_requests"]
     bad = [
-        (dict(constraint=Regex("(")), ConstraintError, "does not compile"),
         (dict(constraint=TokenMask(lambda g: np.zeros((len(g), lm.vocab_size), bool))), ConstraintError, "empty language"),
         (dict(constraint=42), ConstraintError, "constraint must be"),
         (dict(n_particles=0), ValueError, "n_particles"),
@@ -298,6 +297,34 @@ def test_bad_arguments_fail_before_engine_work(fresh_lm):
         with pytest.raises(err, match=match):
             lm.smc_sync(args.pop("prompt_ids"), args.pop("constraint"), args.pop("n_particles"), args.pop("max_tokens"), **args)
     assert lm.stats["engine_requests"] == before
+
+
+def test_a_bad_regex_fails_when_the_constraint_is_built():
+    with pytest.raises(ConstraintError, match=r"Regex\('a\(b'\) does not compile: Regex parsing error at position 4: The parenthesis"):
+        Regex("a(b")
+    with pytest.raises(ConstraintError, match="does not compile"):
+        Regex("[z-a]")
+    assert Regex(r"[a-z]+@(x|y)\.com").pattern == r"[a-z]+@(x|y)\.com"
+
+
+def test_json_schema_default_layout_has_no_free_whitespace_and_finishes(llama_lm):
+    """The default (max_whitespace=0) fixes the layout (", " and ": "), so a small model cannot
+    pad the gaps until max_tokens; free whitespace (max_whitespace=2) lets it."""
+    import json
+
+    lm = llama_lm
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}, "required": ["a", "b"]}
+    fixed = lm.smc_sync(_prompt(lm), JSONSchema(schema), 16, 24, seed=0)
+    assert fixed.n_finished == 16 and fixed.n_cut == 0, fixed.stats
+    for p in fixed.particles:
+        value = json.loads(p.text)
+        assert p.text.decode() == json.dumps(value)  # exactly json.dumps's layout
+    free = lm.smc_sync(_prompt(lm), JSONSchema(schema, max_whitespace=2), 16, 24, seed=0)
+    assert free.n_cut > 0  # padded with whitespace until cut
+    with pytest.raises(ConstraintError, match="max_whitespace must be an int >= 0"):
+        JSONSchema(schema, max_whitespace=-1)
+    with pytest.raises(ConstraintError, match=r"does not compile: Unsupported type \"nonsense\""):
+        JSONSchema({"type": "nonsense"})
 
 
 async def test_a_failing_mask_function_fails_its_run_only(llama_lm):

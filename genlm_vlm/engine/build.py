@@ -249,7 +249,7 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
                 logger.info("tensor_parallel_size=%d on CPU: VLLM_CPU_OMP_THREADS_BIND=%s", tp, binding)
 
     use_v2 = predict_v2_runner()
-    with _build_lock, _environ(env):
+    with _build_lock, _environ(env), _keep_excepthook():
         if env or _split_kv_stale(invariant[0]):
             _read_environ_afresh()
         for attempt in range(2):
@@ -306,6 +306,21 @@ def _choose_scheduler(merged: dict[str, Any], opts: dict[str, Any], forks: bool)
         logger.info("forks share no KV tail on vLLM %s: %s", vllm_version(), why)
         return
     merged["scheduler_cls"] = ForkScheduler
+
+
+@contextlib.contextmanager
+def _keep_excepthook() -> Iterator[None]:
+    """Keep the process's ``sys.excepthook`` across the build. vLLM initialises torch.distributed
+    (a world of one, in-process), and ``torch.distributed.init_process_group`` replaces the hook
+    with one that prefixes every line of every uncaught traceback with ``[rank0]:``; the user's
+    script is not a distributed job, so the hook the process had is put back."""
+    before = sys.excepthook
+    try:
+        yield
+    finally:
+        hook = sys.excepthook
+        if hook is not before and getattr(hook, "__name__", "") == "_distributed_excepthook":
+            sys.excepthook = before
 
 
 @contextlib.contextmanager

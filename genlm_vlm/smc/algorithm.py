@@ -8,7 +8,14 @@ the constraint's allowed tokens for the particle's state:
   ``row[x] - log q(x)`` (at ``t = 1``: exactly ``log_mass``);
 * a mask that keeps no probability ends the particle with weight zero (it *dies*);
 * the token is drawn by inverse CDF from one uniform of the run's generator; EOS (allowed where
-  the constraint accepts) ends the particle (*finished*); ``max_tokens`` tokens end it (*cut*).
+  the constraint accepts) ends the particle (*finished*); ``max_tokens`` tokens end it (*cut*);
+* with ``force_eos``, ``max_tokens`` counts the EOS (genlm-control's convention): a particle that
+  has generated ``max_tokens - 1`` tokens may only take EOS next (its mask is cut to the EOS ids),
+  so it finishes with its weight grown by ``log P(EOS)`` where the constraint accepts its text,
+  and dies where it does not; no particle is cut;
+* with ``target_temperature`` ``tau != 1`` the target itself is tempered: each row becomes
+  ``log_softmax(row / tau)`` before anything else (genlm-control's ``PromptedLLM(temperature=)``),
+  where ``temperature`` tempers only the proposal.
 
 After each step, if the effective sample size of the weights is below ``ess_threshold * N`` and
 a particle is still live, the particles are resampled (``"multinomial"``, ``"stratified"`` or
@@ -151,7 +158,8 @@ class SMCController(Controller):
     def __init__(self, constraint: BoundConstraint, n_particles: int, max_tokens: int, *,
                  eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
                  resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, force_eos: bool = False,
+                 target_temperature: float = 1.0) -> None:
         self.constraint = constraint
         self.n_particles = n_particles
         self.max_tokens = max_tokens
@@ -179,6 +187,10 @@ class SMCController(Controller):
         self.device = None if device is None else torch.device(device)
         #: Columns that can ever be allowed (the rest is the logit matrix's padding): never read.
         self.width = usable_width(byte_vocab, self.eos)
+        self.force_eos = force_eos
+        self.target_temperature = target_temperature
+        self.forced = 0  # particles whose last token was cut to EOS (force_eos)
+        self._eos_only: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ one step
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:
@@ -193,7 +205,9 @@ class SMCController(Controller):
         rows = torch.as_tensor(rows)
         if self.device is not None and rows.device != self.device:
             rows = rows.to(self.device)
+        rows = self._target_rows(rows)  # target_temperature: log_softmax(rows / tau), on the rows' device
         bits = self._bitmasks(particles)
+        bits = self._last_token_masks(bits, particles)  # force_eos: the max_tokens-th token is EOS
         t1 = time.perf_counter()
         self.mask_seconds += t1 - t0
         u = self.rng.random(m)  # one per live particle, in particle order, whatever the path
@@ -216,6 +230,34 @@ class SMCController(Controller):
             reps.setdefault(k, i)
         unique = self.constraint.bitmasks([self.states[reps[k]] for k in range(len(first))])
         return unique[index]
+
+    def _target_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's rows: ``rows`` as they are, or ``log_softmax(rows / tau)`` (float32, as
+        genlm-control's ``PromptedLLM`` tempers) with ``target_temperature`` ``tau != 1``, on the
+        rows' device."""
+        tau = self.target_temperature
+        if tau == 1.0:
+            return rows
+        return (rows.float() / tau).log_softmax(dim=-1)
+
+    def _last_token_masks(self, bits: torch.Tensor, particles: Sequence[int]) -> torch.Tensor:
+        """With ``force_eos``: the bitmask rows of particles that have generated ``max_tokens - 1``
+        tokens keep only their allowed EOS ids (a copy; ``bits`` itself is left alone)."""
+        if not self.force_eos:
+            return bits
+        last = [k for k, i in enumerate(particles) if len(self.tokens[i]) >= self.max_tokens - 1]
+        if not last:
+            return bits
+        if self._eos_only is None or self._eos_only.shape[0] != bits.shape[1]:
+            from .step import pack
+
+            only = np.zeros((1, 32 * bits.shape[1]), dtype=bool)
+            only[0, [e for e in self.eos if 0 <= e < only.shape[1]]] = True
+            self._eos_only = pack(only)[0]
+        bits = bits.clone()
+        bits[last] &= self._eos_only.to(bits.device)
+        self.forced += len(last)
+        return bits
 
     def _apply(self, i: int, token: int, incr: float) -> int | None:
         """Particle ``i`` takes its proposed token (``-1``: it dies); returns what the runner
@@ -288,6 +330,7 @@ class SMCController(Controller):
             "cut": sum(p.status == "cut" for p in particles),
             "dead": sum(p.status == "dead" for p in particles),
             "died_at": self.died_at,
+            "forced_eos": self.forced,
             "controller_s": round(self.seconds, 6),
             "constraint_s": round(self.constraint.seconds, 6),
             "mask_s": round(self.mask_seconds, 6),

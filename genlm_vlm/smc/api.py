@@ -46,8 +46,8 @@ def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
 
 def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
             ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
-            lora_name: str | None = None, eos_token_ids: Any = None,
-            build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
+            lora_name: str | None = None, eos_token_ids: Any = None, force_eos: Any = False,
+            target_temperature: Any = 1.0, build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
     """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller; every
     problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it. With
     ``build=False`` the constraint is still compiled (that is where a bad pattern or an empty
@@ -77,9 +77,17 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
         temp = math.nan
     if isinstance(temperature, bool) or not (0.0 <= temp < math.inf):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    try:
+        tau = float(target_temperature)
+    except (TypeError, ValueError):
+        tau = math.nan
+    if isinstance(target_temperature, bool) or not (0.0 < tau < math.inf):
+        raise ValueError(f"target_temperature must be a finite number > 0, got {target_temperature!r}")
     seed = check_seed(seed, "seed")
     if seed is not None and seed < 0:  # numpy's generator, which draws the run's numbers, takes none
         raise ValueError(f"seed must be None or an int >= 0 for smc (it seeds numpy's default_rng), got {seed}")
+    if not isinstance(force_eos, bool):
+        raise ValueError(f"force_eos must be True or False, got {force_eos!r}")
     loras = getattr(lm, "_loras", None)
     if loras is not None:
         loras.resolve(lora_name)  # an unknown adapter fails here, before any engine work
@@ -91,7 +99,8 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
         return prompt, None
     controller = SMCController(
         bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=lm._byte_strings,
-        ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed,
+        ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed, force_eos=force_eos,
+        target_temperature=tau,
     )
     return prompt, controller
 

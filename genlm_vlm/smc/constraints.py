@@ -22,6 +22,7 @@ columns) are never allowed, EOS excepted.
 from __future__ import annotations
 
 import json
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -216,12 +217,23 @@ class _Grammarish(Constraint):
 
 class Regex(_Grammarish):
     """The generated text (the tokens' bytes, decoded as UTF-8) must match ``pattern`` whole,
-    then EOS. Python-style syntax without look-arounds or back-references."""
+    then EOS. Python-style syntax without look-arounds or back-references. The syntax is checked
+    here, when the constraint is built (xgrammar's parser, no vocabulary needed: well under a
+    millisecond): a bad pattern raises :class:`ConstraintError` saying where."""
 
     def __init__(self, pattern: str) -> None:
         if not isinstance(pattern, str) or not pattern:
             raise ConstraintError(f"Regex needs a non-empty pattern string, got {pattern!r}")
         self.pattern = pattern
+        try:
+            import xgrammar as xgr
+        except ImportError:  # pragma: no cover - xgrammar comes with vLLM; checked again at bind
+            return
+        try:
+            xgr.Grammar.from_regex(pattern)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its C++ location
+            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
+            raise ConstraintError(f"{self.describe()} does not compile: {why}") from None
 
     def _compile(self, compiler: Any) -> Any:
         return compiler.compile_regex(self.pattern)
@@ -232,10 +244,15 @@ class Regex(_Grammarish):
 
 class JSONSchema(_Grammarish):
     """The generated text must be one JSON value valid under ``schema`` (a dict or its JSON
-    text), then EOS. Whitespace between tokens is allowed as JSON allows it, up to
-    ``max_whitespace`` characters in a row (None: unbounded)."""
+    text), then EOS.
 
-    def __init__(self, schema: dict[str, Any] | str, *, max_whitespace: int | None = 2) -> None:
+    ``max_whitespace``: ``0`` (the default) allows no free whitespace: the layout is fixed, with
+    ``", "`` and ``": "`` between items (``json.dumps``'s), so a model cannot pad gaps with
+    whitespace until ``max_tokens`` cuts it; ``n > 0`` allows up to ``n`` whitespace characters
+    in a row wherever JSON allows whitespace; ``None`` any number. The schema is checked when the
+    constraint is built (xgrammar's converter, no vocabulary needed)."""
+
+    def __init__(self, schema: dict[str, Any] | str, *, max_whitespace: int | None = 0) -> None:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -243,11 +260,32 @@ class JSONSchema(_Grammarish):
                 raise ConstraintError(f"JSONSchema: the schema is not valid JSON: {e}") from e
         if not isinstance(schema, dict):
             raise ConstraintError(f"JSONSchema needs a dict (or its JSON text), got {type(schema).__name__}")
+        if max_whitespace is not None and (
+            isinstance(max_whitespace, bool) or not isinstance(max_whitespace, int) or max_whitespace < 0
+        ):
+            raise ConstraintError(
+                f"JSONSchema: max_whitespace must be an int >= 0 (0: no free whitespace) or None (any), "
+                f"got {max_whitespace!r}"
+            )
         self.schema = schema
         self.max_whitespace = max_whitespace
+        try:
+            import xgrammar as xgr
+        except ImportError:  # pragma: no cover - xgrammar comes with vLLM; checked again at bind
+            return
+        try:
+            xgr.Grammar.from_json_schema(json.dumps(schema), **self._options())
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its C++ location
+            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
+            raise ConstraintError(f"{self.describe()} does not compile: {why}") from None
+
+    def _options(self) -> dict[str, Any]:
+        if self.max_whitespace == 0:
+            return {"any_whitespace": False}
+        return {"max_whitespace_cnt": self.max_whitespace}
 
     def _compile(self, compiler: Any) -> Any:
-        return compiler.compile_json_schema(json.dumps(self.schema), max_whitespace_cnt=self.max_whitespace)
+        return compiler.compile_json_schema(json.dumps(self.schema), **self._options())
 
     def describe(self) -> str:
         text = json.dumps(self.schema)

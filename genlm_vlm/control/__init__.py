@@ -47,6 +47,11 @@ logits, 151665 tokens). Rows have one column per logit, and so do ``lm.byte_voca
   vocabulary and rows stop at the last real token (rows renormalised). (A vocabulary that stops
   at the tokenizer with rows of full width, genlm-backend's layout, gets past that check but
   fails later, with ``IndexError`` in ``str_vocab``, whenever a padding id is sampled.)
+
+genlm-control's SMC in the engine: :func:`smc` ``(sampler, n_particles, ess_threshold,
+max_tokens)`` runs a genlm-control sampler's target (one ``PromptedLLM`` over a genlm_vlm model
+times Boolean conditions) as ``lm.smc`` and returns genlm-control's ``Sequences``
+(:mod:`genlm_vlm.control.bridge`; the conditions' translation: :mod:`genlm_vlm.control.translate`).
 """
 
 from __future__ import annotations
@@ -56,10 +61,12 @@ from typing import Any
 
 import torch
 
-from .base import AsyncLM, TokenIds
-from .vocab import unpadded_length
+from ..base import AsyncLM, TokenIds
+from ..vocab import unpadded_length
+from .bridge import smc
+from .translate import UntranslatableError
 
-__all__ = ["UnpaddedLM", "prompted_llm", "without_padding"]
+__all__ = ["UnpaddedLM", "UntranslatableError", "prompted_llm", "smc", "without_padding"]
 
 
 def _known_ids(lm: Any) -> int:

@@ -1,0 +1,271 @@
+"""genlm-control's SMC run in the engine: :func:`smc` (see docs/API.md, "genlm-control in the
+engine").
+
+A genlm-control token sampler targets ``sampler.target`` (times the critic, if any); whichever
+sampler it is (direct, AWRS, eager), its particles are properly weighted for that target. When
+the target is one :class:`~genlm.control.PromptedLLM` over a genlm_vlm model times Boolean
+conditions, the same target is run here as :meth:`~genlm_vlm.AsyncLM.smc` with the locally
+optimal proposal (on an :class:`~genlm_vlm.AsyncVirtualLM`: one burst on the engine thread),
+with genlm-control's conventions: ``max_tokens`` counts the EOS, which is forced at the limit
+and weighted by ``log P(EOS)`` (``force_eos=True``); the ``PromptedLLM``'s temperature tempers
+the target (``target_temperature=``); the prompt, the EOS ids and the LoRA are the
+``PromptedLLM``'s. The result is genlm-control's own ``Sequences``.
+
+Anything that cannot run exactly so is refused with :class:`UntranslatableError` naming the part
+and why, or, with ``fallback=True``, run by genlm-control itself, per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..smc.constraints import AllOf, BoundConstraint, Constraint, TokenMask
+from .translate import UntranslatableError, condition_constraint, is_json_schema
+
+__all__ = ["Plan", "plan", "smc"]
+
+_RESAMPLING = ("multinomial", "stratified", "systematic")
+
+
+def _unwrap(p: Any) -> Any:
+    """``p`` without genlm-control's ``AutoBatchedPotential`` wrappers."""
+    while type(p).__name__ == "AutoBatchedPotential":
+        p = p.potential
+    return p
+
+
+def _factors(p: Any) -> list[Any]:
+    """The factors of a product of potentials (a ``JsonSchema`` stays one factor)."""
+    p = _unwrap(p)
+    if type(p).__name__ == "Product" and not is_json_schema(p):
+        return _factors(p.p1) + _factors(p.p2)
+    return [p]
+
+
+def _is_byte_join(f: Any) -> bool:
+    try:
+        return bool(f == b"".join)
+    except Exception:  # noqa: BLE001 - an exotic callable's __eq__
+        return False
+
+
+class Plan:
+    """What :func:`smc` runs: the ``PromptedLLM`` and the constraints of its conditions."""
+
+    def __init__(self, llm: Any, constraints: list[Constraint]) -> None:
+        self.llm = llm
+        self.constraints = constraints
+
+
+def _conditions(factors: list[Any], where: str, json_schema: bool) -> tuple[list[Any], list[Any]]:
+    """Split ``factors`` into PromptedLLMs and translated conditions; refuse the rest."""
+    llms, out = [], []
+    for f in factors:
+        kind = type(f).__name__
+        if kind == "PromptedLLM":
+            llms.append(f)
+            continue
+        if kind == "Coerced":
+            if not _is_byte_join(f.f):
+                raise UntranslatableError(
+                    f"{where}: coerce(..., f={f.f!r}) is not translated: only f=b''.join (the tokens' bytes, "
+                    "concatenated) maps a byte condition onto token masks"
+                )
+            inner = _factors(f.potential)
+        else:
+            inner = [f]
+        for c in inner:
+            try:
+                out.append(condition_constraint(c, json_schema=json_schema))
+            except UntranslatableError as e:
+                raise UntranslatableError(f"{where}: {e}") from None
+    return llms, out
+
+
+def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan:
+    """Check that ``sampler`` (and ``critic``) can run exactly in the engine and translate its
+    conditions; raises :class:`UntranslatableError` naming the part that cannot, and why."""
+    kind = type(sampler).__name__
+    if kind in ("DirectTokenSampler", "AWRS"):
+        if kind == "AWRS" and not getattr(sampler, "proper_weights", True):
+            raise UntranslatableError(
+                "AWRS(proper_weights=False) is not properly weighted for its target, so no exact run reproduces it"
+            )
+        llms, conds = _conditions(_factors(sampler.target), f"{kind}'s target", json_schema)
+    elif kind == "SetTokenSampler":
+        inner = type(sampler.set_sampler).__name__
+        if inner != "EagerSetSampler":
+            raise UntranslatableError(
+                f"set sampler {inner}: only EagerSetSampler (eager_token_sampler) is mapped onto the engine "
+                "(fallback=True runs it per token)"
+            )
+        llms, _ = _conditions(_factors(sampler.set_sampler.iter_potential), "eager_token_sampler's LM", json_schema)
+        more, conds = _conditions(_factors(sampler.set_sampler.item_potential), "eager_token_sampler's condition",
+                                  json_schema)
+        llms += more
+    else:
+        raise UntranslatableError(
+            f"{kind}: only direct_token_sampler, AWRS and eager_token_sampler are mapped onto the engine"
+        )
+    if critic is not None:
+        if getattr(critic, "token_type", None) != getattr(sampler, "token_type", None):
+            raise ValueError(  # what genlm-control's SMC says too
+                f"the critic's token type ({getattr(critic, 'token_type', None)}) is not the sampler's "
+                f"({getattr(sampler, 'token_type', None)}): coerce it, e.g. critic.coerce(llm, f=b''.join)"
+            )
+        c_llms, c_conds = _conditions(_factors(critic), "the critic", json_schema)
+        if c_llms:
+            raise UntranslatableError(
+                "the critic has a PromptedLLM factor: a weighted critic twists the intermediate targets that "
+                "resampling works on, which the engine's SMC does not do; only Boolean critics are folded into the mask"
+            )
+        conds += c_conds
+    if len(llms) != 1:
+        raise UntranslatableError(
+            f"the target has {len(llms)} PromptedLLM factors; exactly one is mapped (a product of prompts is not)"
+        )
+    llm = llms[0]
+    from ..base import AsyncLM
+
+    if not isinstance(llm.model, AsyncLM):
+        raise UntranslatableError(
+            f"the PromptedLLM's model is a {type(llm.model).__name__}, not a genlm_vlm model"
+        )
+    try:
+        tau = float(llm.temperature)
+    except (TypeError, ValueError):
+        tau = math.nan
+    if not 0.0 < tau < math.inf:
+        raise UntranslatableError(f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be > 0")
+    return Plan(llm, conds)
+
+
+# ------------------------------------------------------------------------------ constraints
+class _WithEmptyTokens(Constraint):
+    """``inner``, plus tokens with no bytes wherever the text so far can still be completed
+    (a byte condition coerced with ``b''.join`` allows them there: they add no bytes)."""
+
+    def __init__(self, inner: Constraint, empty_ids: Sequence[int]) -> None:
+        self.inner = inner
+        self.empty_ids = list(empty_ids)
+
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        return _BoundWithEmpty(self.inner.bind(byte_vocab, eos_ids, width, cache), self.empty_ids)
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} (tokens with no bytes allowed)"
+
+
+class _BoundWithEmpty(BoundConstraint):
+    def __init__(self, inner: BoundConstraint, empty_ids: list[int]) -> None:
+        self.inner = inner
+        self.empty = np.array(empty_ids, dtype=np.int64)
+        self.empty_set = frozenset(empty_ids)
+
+    @property
+    def seconds(self) -> float:  # type: ignore[override]
+        return self.inner.seconds
+
+    def initial(self) -> Any:
+        return self.inner.initial()
+
+    def masks(self, states: Sequence[Any]) -> np.ndarray:
+        m = np.array(self.inner.masks(states), dtype=bool, copy=True)
+        live = m.any(axis=1)
+        m[np.ix_(live, self.empty)] = True
+        return m
+
+    def advance(self, state: Any, token: int) -> Any:
+        return state if int(token) in self.empty_set else self.inner.advance(state, token)
+
+    def copy(self, state: Any) -> Any:
+        return self.inner.copy(state)
+
+
+def constraint_for(p: Plan) -> Constraint:
+    """The one constraint :func:`smc` passes to ``lm.smc`` for plan ``p``."""
+    llm = p.llm
+    ids = [t.token_id for t in llm.vocab]
+    width = llm.model.vocab_size
+    if not p.constraints:
+        allowed = np.zeros(width, dtype=bool)
+        allowed[ids] = True
+        allowed[list(llm.token_maps.eos_idxs)] = True
+        return TokenMask(lambda states: np.repeat(allowed[None, :], len(states), axis=0), "PromptedLLM's vocabulary")
+    inner = p.constraints[0] if len(p.constraints) == 1 else AllOf(*p.constraints)
+    empty = [t.token_id for t in llm.vocab if len(t.byte_string) == 0]
+    return _WithEmptyTokens(inner, empty) if empty else inner
+
+
+# ------------------------------------------------------------------------------ the run
+async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: int, *, critic: Any = None,
+              seed: int | None = None, fallback: bool = False, json_schema: bool = False,
+              resampling_method: str = "multinomial", in_engine: bool = True) -> Any:
+    """``sampler.smc(n_particles, ess_threshold, max_tokens, critic=critic)`` of genlm-control,
+    run as :meth:`~genlm_vlm.AsyncLM.smc` on the ``PromptedLLM``'s genlm_vlm model (on an
+    :class:`~genlm_vlm.AsyncVirtualLM`, in the engine). Same target, same ``max_tokens``
+    convention (EOS included, forced at the limit with its ``log P(EOS)`` weight); returns
+    genlm-control's ``Sequences`` (``.posterior``, ``.decoded_posterior``, ``.log_ml``).
+
+    ``sampler``: ``direct_token_sampler(llm)``, ``AWRS(llm, condition)`` or
+    ``eager_token_sampler(llm, condition)``; the conditions (and ``critic``) Boolean:
+    ``BoolFSA``, ``BoolCFG`` (ASCII), products of these, coerced with ``f=b"".join``;
+    ``JsonSchema`` with ``json_schema=True`` only (xgrammar's JSON language, see docs/API.md).
+    ``seed`` makes the engine run reproducible. Anything else raises
+    :class:`~genlm_vlm.control.translate.UntranslatableError` naming what and why; with
+    ``fallback=True`` genlm-control runs it itself, per token, instead.
+    """
+    if resampling_method not in _RESAMPLING:
+        if not fallback:
+            raise UntranslatableError(
+                f"resampling_method={resampling_method!r} is not one of lm.smc's ({', '.join(_RESAMPLING)})"
+            )
+        return await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic, resampling_method)
+    try:
+        p = plan(sampler, critic, json_schema=json_schema)
+    except UntranslatableError:
+        if not fallback:
+            raise
+        return await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic, resampling_method)
+    llm = p.llm
+    result = await llm.model.smc(
+        list(llm.prompt_ids), constraint_for(p), n_particles, max_tokens, ess_threshold=ess_threshold,
+        resampling=resampling_method, seed=seed, lora_name=llm.lora_name,
+        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, target_temperature=float(llm.temperature),
+        in_engine=in_engine,
+    )
+    return to_sequences(llm, result)
+
+
+async def _fallback(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: int, critic: Any,
+                    resampling_method: str) -> Any:
+    return await sampler.smc(n_particles, ess_threshold, max_tokens, critic=critic,
+                             resampling_method=resampling_method)
+
+
+def to_sequences(llm: Any, result: Any) -> Any:
+    """An :class:`~genlm_vlm.smc.SMCResult` as genlm-control's ``Sequences``: contexts of the
+    ``PromptedLLM``'s tokens, ending with genlm-control's ``EOS`` where the particle finished;
+    log weights that include the resampling steps' averages, so that ``Sequences.log_ml`` is the
+    run's ``log_marginal``."""
+    from genlm.control.constant import EOS
+    from genlm.control.sampler.sequence import Sequences
+
+    decode = llm.token_maps.decode
+    lw = np.array([p.log_weight for p in result.particles], dtype=np.float64)
+    top = float(np.max(lw)) if lw.size else -math.inf
+    if math.isfinite(top) and math.isfinite(result.log_marginal):
+        current = top + math.log(float(np.mean(np.exp(lw - top))))
+        lw = lw + (result.log_marginal - current)  # the weight the resampling steps averaged away
+    contexts = []
+    for part in result.particles:
+        ctx: list[Any] = [decode[t] for t in part.token_ids]
+        if part.finished:
+            ctx.append(EOS)
+        contexts.append(ctx)
+    return Sequences(contexts, [float(w) for w in lw])

@@ -1,0 +1,456 @@
+"""genlm-control's SMC in the engine (genlm_vlm.control.smc) and the exact translation of its
+Boolean conditions into xgrammar grammars (genlm_vlm.control.translate), on the tiny Llama.
+
+* masks: the translated grammar's token masks equal genlm-control's own ``cond.logw_next``
+  (finite vs -inf, EOS included) along random walks through each language;
+* posterior: on an enumerable language, the bridge's pooled posterior matches the exact one and
+  genlm-control's own (per-token) SMC within Monte Carlo error; its Z-hat is unbiased;
+* refusals: every part the bridge cannot run exactly raises a message naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("genlm.control") is None,
+    reason="genlm-control is not installed (pip install 'genlm-vlm[control]')",
+)
+
+_VLLM_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING")
+PROMPT = "def main():\n    return"
+
+
+@pytest.fixture(scope="module")
+def gc():
+    saved = {name: os.environ.get(name) for name in _VLLM_ENV}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import genlm.control
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return genlm.control
+
+
+@pytest.fixture(scope="module")
+def llm(gc, llama_lm):
+    tok = llama_lm.tokenizer
+    return gc.PromptedLLM(llama_lm, prompt_ids=[tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)])
+
+
+# ---------------------------------------------------------------------------------- masks
+REGEXES = [
+    r"[a-z]+@[a-z]+\.(com|org)",
+    r"[^a-c \n]{1,3}( [^x]+)?",  # negated classes range over string.printable
+    r"(é|ü|中文|😀)+[0-9]?",  # multi-byte characters
+    r"(def|return) [a-z_]+\(\)",
+    r"\d+(\.\d+)?\n",
+]
+LARK = """
+start: WORD ("," WORD)* "."
+WORD: /[a-z]+/
+%ignore " "
+"""
+
+
+async def _walks(llm, cond, constraint, lm, *, walks: int, depth: int, seed: int) -> tuple[int, int]:
+    """Compare masks along ``walks`` random walks of up to ``depth`` tokens; returns (contexts,
+    tokens compared)."""
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.smc import api
+
+    eos = list(llm.token_maps.eos_idxs)
+    bound = api.bind(lm, constraint_for(Plan(llm, [constraint])), tuple(eos))
+    rng = np.random.default_rng(seed)
+    width = lm.vocab_size
+    contexts = compared = 0
+    for _ in range(walks):
+        state, context = bound.initial(), []
+        for _ in range(depth):
+            got = bound.masks([state])[0]
+            logws = await cond.logw_next(context)
+            weights = np.asarray(logws.weights, dtype=np.float64)
+            want = np.zeros(width, dtype=bool)
+            for tok, w in zip(cond.vocab, weights[:-1], strict=True):
+                want[tok.token_id] = w > -np.inf
+            want[eos] = weights[-1] > -np.inf
+            bad = np.flatnonzero(got != want)
+            assert not bad.size, (
+                f"context {b''.join(context)!r}: masks differ at ids {bad[:10].tolist()} "
+                f"(ours {got[bad[:10]].tolist()}, genlm-control {want[bad[:10]].tolist()})"
+            )
+            contexts += 1
+            compared += width
+            choices = [i for i in np.flatnonzero(got) if i not in eos]
+            if not choices:
+                break
+            t = int(rng.choice(choices))
+            state = bound.advance(state, t)
+            context.append(llm.token_maps.decode[t])
+    return contexts, compared
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+async def test_translated_regex_masks_equal_genlm_controls(gc, llm, llama_lm, pattern):
+    from genlm_vlm.control.translate import condition_constraint
+
+    fsa = gc.BoolFSA.from_regex(pattern)
+    cond = fsa.coerce(llm, f=b"".join)
+    contexts, _ = await _walks(llm, cond, condition_constraint(fsa), llama_lm, walks=8, depth=12, seed=1)
+    assert contexts >= 12
+
+
+async def test_translated_lark_cfg_masks_equal_genlm_controls(gc, llm, llama_lm):
+    from genlm_vlm.control.translate import condition_constraint
+
+    cfg = gc.BoolCFG.from_lark(LARK)
+    cond = cfg.coerce(llm, f=b"".join)
+    contexts, _ = await _walks(llm, cond, condition_constraint(cfg), llama_lm, walks=4, depth=8, seed=2)
+    assert contexts >= 8
+
+
+# ---------------------------------------------------------------------------------- posterior
+LANGUAGE = r"[aq]{3}"  # one tokenization per text in the tiny vocabulary: no token joins a and q
+MAX_TOKENS = 4  # EOS included: at most 3 tokens, then EOS (forced at the limit)
+RUNS = 64  # bridge runs pooled (cheap: one burst each)
+THEIR_RUNS = 16  # genlm-control's own runs pooled (per token)
+
+
+async def _exact(llm, lm, constraint, tau: float = 1.0) -> tuple[dict[str, float], float]:
+    """The exact posterior over texts (and log Z) of ``llm`` under ``constraint`` with
+    genlm-control's ``max_tokens`` convention, by enumerating every allowed token path."""
+    import torch
+
+    from genlm_vlm.smc import api
+
+    eos = list(llm.token_maps.eos_idxs)
+    bound = api.bind(lm, constraint, tuple(eos))
+    prompt = list(llm.prompt_ids)
+    level = [((), 0.0, bound.initial())]
+    weights: dict[str, float] = {}
+    for depth in range(MAX_TOKENS):
+        rows = await lm.batch_next_token_logprobs([prompt + list(p) for p, _, _ in level])
+        masks = bound.masks([s for _, _, s in level])
+        nxt = []
+        for (path, lp, state), row, mask in zip(level, rows, masks, strict=True):
+            row = torch.log_softmax(row.double() / tau, 0)
+            if mask[eos].any():
+                text = b"".join(lm.byte_vocab[t].byte_string for t in path).decode()
+                w = math.exp(lp + float(torch.logsumexp(row[eos], 0)))
+                weights[text] = weights.get(text, 0.0) + w
+            if depth == MAX_TOKENS - 1:
+                continue  # the last token is EOS
+            for t in np.flatnonzero(mask):
+                if int(t) not in eos:
+                    nxt.append(((*path, int(t)), lp + float(row[t]), bound.advance(bound.copy(state), int(t))))
+        level = nxt
+        if not level:
+            break
+    z = sum(weights.values())
+    return {k: v / z for k, v in weights.items()}, math.log(z)
+
+
+def _pooled(runs) -> dict[str, float]:
+    """The runs' posteriors averaged with weights Z-hat (every particle with its weight), which
+    converges to the target as the number of runs grows."""
+    top = max(s.log_ml for s in runs)
+    out: dict[str, float] = {}
+    for seqs in runs:
+        z = math.exp(seqs.log_ml - top) if seqs.log_ml > -math.inf else 0.0
+        for text, p in seqs.decoded_posterior.items():
+            out[text] = out.get(text, 0.0) + z * p
+    total = sum(out.values())
+    return {k: v / total for k, v in out.items()}
+
+
+def _tv(p: dict[str, float], q: dict[str, float]) -> float:
+    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
+
+
+@pytest.fixture(scope="module")
+def many_eos_llm(gc, llama_lm):
+    """EOS is every one-byte token but the language's letters: its probability varies little
+    from one context to the next, so that N = 32 particles weigh the enumerable language well."""
+    singles = [t.byte_string for t in llama_lm.byte_vocab if len(t.byte_string) == 1 and t.byte_string not in b"aq"]
+    tok = llama_lm.tokenizer
+    prompt = [tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)]
+    return gc.PromptedLLM(llama_lm, prompt_ids=prompt, eos_byte_strings=singles)
+
+
+@pytest.mark.parametrize(("sampler_kind", "n"), [("awrs", 32), ("direct+critic", 32), ("eager", 32), ("awrs", 128)])
+async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm, llama_lm, sampler_kind, n):
+    llm = many_eos_llm
+    from genlm_vlm import control
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.control.translate import condition_constraint
+
+    fsa = gc.BoolFSA.from_regex(LANGUAGE)
+    cond = fsa.coerce(llm, f=b"".join)
+    exact, log_z = await _exact(llm, llama_lm, constraint_for(Plan(llm, [condition_constraint(fsa)])))
+    assert len(exact) == 8, exact  # every text of three letters a, q
+
+    def make(run):
+        if sampler_kind == "awrs":
+            return gc.AWRS(llm, cond, seed=run), None
+        if sampler_kind == "eager":
+            return gc.eager_token_sampler(llm, fsa), None
+        return gc.direct_token_sampler(llm), cond
+
+    ours = []
+    runs = RUNS * 32 // n  # the same number of particles in all
+    for seed in range(runs):
+        sampler, critic = make(seed)
+        ours.append(await control.smc(sampler, n, 0.5, MAX_TOKENS, critic=critic, seed=seed))
+    assert all(len(s) == n for s in ours)
+    assert all(c[-1] is gc.EOS or w == -math.inf for s in ours for c, w in s)  # every particle ends in EOS
+    z_ratio = np.mean([math.exp(s.log_ml - log_z) for s in ours])
+    pooled = _pooled(ours)
+    tv_exact = _tv(pooled, exact)
+    assert tv_exact < 0.1, (tv_exact, pooled, exact)
+    assert 0.8 < z_ratio < 1.2, z_ratio
+    if sampler_kind == "direct+critic":
+        return  # genlm-control samples from the LM unconstrained here: (nearly) every particle dies
+
+    np.random.seed(0)
+    theirs = []
+    for run in range(THEIR_RUNS * 32 // n):
+        sampler, critic = make(run)
+        theirs.append(await sampler.smc(n, 0.5, MAX_TOKENS, critic=critic))
+    tv_theirs = _tv(pooled, _pooled(theirs))
+    print(f"{sampler_kind}, N = {n}: TV(bridge, exact) {tv_exact:.3f}, TV(bridge, genlm-control) {tv_theirs:.3f}, "
+          f"TV(genlm-control, exact) {_tv(_pooled(theirs), exact):.3f}, mean Z-hat/Z {z_ratio:.3f}")
+    # within the Monte Carlo error of genlm-control's own estimate (its distance to the truth)
+    assert tv_theirs < _tv(_pooled(theirs), exact) + 0.1, (tv_theirs, pooled, _pooled(theirs))
+
+
+# ---------------------------------------------------------------------------------- refusals
+async def test_refusals_name_the_part_and_why(gc, llm):
+    from genlm_vlm import control
+
+    fsa = gc.BoolFSA.from_regex(r"[a-z]+")
+    cond = fsa.coerce(llm, f=b"".join)
+    cases = [
+        (gc.AWRS(llm, gc.WFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)), None, "WFSA is a weighted potential"),
+        (gc.AWRS(llm, fsa.coerce(llm, f=lambda xs: b"".join(xs).lower())), None, r"coerce\(\.\.\., f=.*only f=b''\.join"),
+        (gc.topk_token_sampler(llm, fsa, K=4), None, "set sampler TopKSetSampler"),
+        (gc.direct_token_sampler(llm), llm, "the critic has a PromptedLLM factor"),
+        (gc.AWRS(llm.spawn(temperature=0.0), cond), None, r"temperature=0\.0\): the target temperature must be > 0"),
+        (gc.AWRS(llm, gc.BoolCFG.from_lark('start: "é"+').coerce(llm, f=b"".join)), None, "not an ASCII byte"),
+        (gc.AWRS(llm, gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)), None, "pass json_schema=True"),
+        (gc.AWRS(llm, cond, proper_weights=False), None, r"proper_weights=False\) is not properly weighted"),
+        (gc.direct_token_sampler(llm * llm.spawn()), None, "2 PromptedLLM factors"),
+    ]
+    for sampler, critic, message in cases:
+        with pytest.raises(control.UntranslatableError, match=message):
+            await control.smc(sampler, 4, 0.5, 4, critic=critic)
+    with pytest.raises(ValueError, match="the critic's token type"):
+        await control.smc(gc.direct_token_sampler(llm), 4, 0.5, 4, critic=fsa)  # not coerced
+    with pytest.raises(control.UntranslatableError, match="resampling_method='residual'"):
+        await control.smc(gc.AWRS(llm, cond), 4, 0.5, 4, resampling_method="residual")
+
+
+async def test_fallback_runs_genlm_controls_own_smc(gc, llm):
+    from genlm_vlm import control
+
+    weighted = gc.WFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)
+    np.random.seed(0)
+    seqs = await control.smc(gc.direct_token_sampler(llm), 4, 0.5, 3, critic=weighted, fallback=True)
+    from genlm.control.sampler.sequence import Sequences
+
+    assert isinstance(seqs, Sequences) and len(seqs) == 4
+    cond = gc.BoolFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)
+    seqs = await control.smc(gc.AWRS(llm, cond, seed=0), 4, 0.5, 3, resampling_method="residual", fallback=True)
+    assert len(seqs) == 4 and all(w == -math.inf or c[-1] is gc.EOS for c, w in seqs)
+
+
+async def test_translation_is_kept_and_compiled_once(gc, llm, llama_lm):
+    from genlm_vlm import control
+    from genlm_vlm.control.translate import condition_constraint
+
+    fsa = gc.BoolFSA.from_regex(r"(yes|no)")
+    cond = fsa.coerce(llm, f=b"".join)
+    for seed in range(3):
+        seqs = await control.smc(gc.AWRS(llm, cond), 8, 0.5, 6, seed=seed)
+        assert set(seqs.decoded_posterior) <= {"yes", "no"}
+    translated = condition_constraint(fsa)
+    assert translated is condition_constraint(fsa) and translated.compilations == 1
+    import pickle  # to a replica: without the compiled grammars, which the receiver compiles
+
+    copy = pickle.loads(pickle.dumps(translated))
+    assert copy.ebnf == translated.ebnf and copy._compiled == {} and translated._compiled
+
+
+async def test_json_schema_opt_in(gc, llm):
+    from genlm_vlm import control
+
+    cond = gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)
+    seqs = await control.smc(gc.AWRS(llm, cond), 8, 0.5, 8, seed=0, json_schema=True)
+    for text in seqs.decoded_posterior:
+        assert isinstance(__import__("json").loads(text), int), text
+
+
+# ---------------------------------------------------------------------------------- lm.smc(force_eos=True)
+async def test_force_eos_counts_eos_in_max_tokens_and_weights_it(llama_lm):
+    import torch
+
+    from genlm_vlm.smc import Regex, api
+
+    tok = llama_lm.tokenizer
+    prompt = [tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)]
+    eos = tok.eos_token_id
+    res = await llama_lm.smc(prompt, Regex(r"[a-z]+"), 8, 2, ess_threshold=0.0, seed=0, force_eos=True)
+    assert res.n_cut == 0 and res.stats["forced_eos"] == 8
+    row0 = (await llama_lm.next_token_logprobs(prompt)).double()
+    bound = api.bind(llama_lm, Regex(r"[a-z]+"), (eos,))
+    mask0 = bound.masks([bound.initial()])[0]
+    log_mass0 = float(torch.logsumexp(row0[torch.from_numpy(mask0)], 0))
+    for p in res.particles:
+        assert len(p.token_ids) == 1 and p.finished  # one letter token, then the forced EOS
+        row1 = (await llama_lm.next_token_logprobs(prompt + p.token_ids)).double()
+        assert math.isclose(p.log_weight, log_mass0 + float(row1[eos]), abs_tol=1e-4)
+    with pytest.raises(ValueError, match="force_eos must be True or False"):
+        await llama_lm.smc(prompt, Regex(r"[a-z]+"), 2, 2, force_eos=1)
+
+
+async def test_bridge_tempers_the_target_as_promptedllm_does(gc, many_eos_llm, llama_lm):
+    """Each particle's weight is the product of its masses under log_softmax(row / tau) (exact
+    check); the pooled posterior matches the tempered exact one (tau = 1.5: sharper targets
+    have heavier-tailed weights than N = 32 pools well)."""
+    import torch
+
+    from genlm_vlm import control
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import api
+
+    fsa = gc.BoolFSA.from_regex(LANGUAGE)
+    for tau in (0.7, 1.5):
+        llm = many_eos_llm.spawn(temperature=tau)
+        assert llm.temperature == tau and llm.prompt_ids == many_eos_llm.prompt_ids
+        cond = fsa.coerce(llm, f=b"".join)
+        constraint = constraint_for(Plan(llm, [condition_constraint(fsa)]))
+        seqs = await control.smc(gc.AWRS(llm, cond), 4, 0.0, MAX_TOKENS, seed=0)
+        bound = api.bind(llama_lm, constraint, tuple(llm.token_maps.eos_idxs))
+        for context, log_w in seqs:
+            ids = [t.token_id for t in context[:-1]]
+            state, want = bound.initial(), 0.0
+            for k in range(len(ids) + 1):
+                row = await llama_lm.next_token_logprobs(list(llm.prompt_ids) + ids[:k])
+                row = torch.log_softmax(row.double() / tau, 0)
+                mask = torch.from_numpy(bound.masks([state])[0])
+                want += float(torch.logsumexp(row[mask], 0))
+                if k < len(ids):
+                    state = bound.advance(state, ids[k])
+            assert math.isclose(log_w, want, abs_tol=1e-4), (tau, ids, log_w, want)
+
+    llm = many_eos_llm.spawn(temperature=1.5)
+    cond = fsa.coerce(llm, f=b"".join)
+    constraint = constraint_for(Plan(llm, [condition_constraint(fsa)]))
+    exact, log_z = await _exact(llm, llama_lm, constraint, tau=1.5)
+    untempered, _ = await _exact(llm, llama_lm, constraint)
+    assert _tv(exact, untempered) > 0.05  # the temperature changes the target visibly
+    ours = [await control.smc(gc.AWRS(llm, cond), 32, 0.5, MAX_TOKENS, seed=seed) for seed in range(RUNS)]
+    tv = _tv(_pooled(ours), exact)
+    z_ratio = np.mean([math.exp(s.log_ml - log_z) for s in ours])
+    print(f"tau 1.5: TV(bridge, exact) {tv:.3f}, TV(exact, untempered) {_tv(exact, untempered):.3f}, Z-hat/Z {z_ratio:.3f}")
+    assert tv < 0.1, (tv, _pooled(ours), exact)
+    assert 0.8 < z_ratio < 1.2, z_ratio
+
+
+async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
+    """Padded logit columns are tokens with no bytes: genlm-control's coerced condition allows
+    them wherever the text so far can be completed; so do the bridge's masks."""
+    from genlm_vlm import control
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.mock import MockAsyncLM
+
+    lm = MockAsyncLM(vocab_size=300, logit_scale=1.0)  # 258 tokens, 42 padded columns
+    llm = gc.PromptedLLM(lm, prompt_ids=[0], eos_byte_strings=[b"."])
+    fsa = gc.BoolFSA.from_regex(r"[a-c]{2}")
+    cond = fsa.coerce(llm, f=b"".join)
+    contexts, _ = await _walks(llm, cond, condition_constraint(fsa), lm, walks=4, depth=4, seed=0)
+    assert contexts >= 4
+    seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
+    assert set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
+    # without_padding(lm): a view with no padded ids, run per token in Python (not in an engine)
+    view_llm = gc.PromptedLLM(control.without_padding(lm), prompt_ids=[0], eos_byte_strings=[b"."])
+    view_cond = fsa.coerce(view_llm, f=b"".join)
+    seqs = await control.smc(gc.AWRS(view_llm, view_cond), 16, 0.5, 6, seed=0)
+    assert seqs.decoded_posterior and set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
+
+
+async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
+    from genlm_vlm import control
+
+    llm = many_eos_llm.spawn(temperature=0.7)
+    cond = gc.BoolFSA.from_regex(r"[aq]{1,4}").coerce(llm, f=b"".join)
+    runs = [await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, seed=3, in_engine=flag) for flag in (True, False)]
+    (a, b) = runs
+    assert [list(c) for c in a.contexts] == [list(c) for c in b.contexts]
+    assert np.array_equal(a.log_weights, b.log_weights) and a.log_ml == b.log_ml
+
+
+async def test_products_of_conditions(gc, llm, llama_lm):
+    """A product of byte conditions (coerced together or one by one) is every condition's mask
+    at once; the bridge's texts satisfy all of them."""
+    import re
+
+    from genlm_vlm import control
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import AllOf
+
+    a, b = gc.BoolFSA.from_regex(r"[a-z]{1,6}"), gc.BoolFSA.from_regex(r"[^e]*")
+    together = (a * b).coerce(llm, f=b"".join)
+    apart = a.coerce(llm, f=b"".join) * b.coerce(llm, f=b"".join)
+    both = AllOf(condition_constraint(a), condition_constraint(b))
+    contexts, _ = await _walks(llm, together, both, llama_lm, walks=4, depth=6, seed=4)
+    assert contexts >= 6
+    for cond in (together, apart):
+        seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 8, seed=0)
+        assert seqs.decoded_posterior and all(re.fullmatch(r"[a-df-z]{1,6}", t) for t in seqs.decoded_posterior)
+
+
+async def test_bridge_runs_under_the_promptedllms_lora(gc, model_paths, tmp_path_factory):
+    """PromptedLLM(lora_name=...) runs under that adapter: each particle's weight is its
+    product of masses under the adapter's rows (exact), which differ from the base model's."""
+    import torch
+    from conftest import _engine
+    from test_lora import LORA_OPTS, _make_adapter
+
+    from genlm_vlm import control
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import api
+
+    lm = _engine(model_paths["llama"], LORA_OPTS)
+    if "bridge" not in lm.lora_names:
+        lm.add_new_lora(_make_adapter(model_paths["llama"], tmp_path_factory.mktemp("lora") / "bridge", 5), "bridge")
+    tok = lm.tokenizer
+    llm = gc.PromptedLLM(lm, prompt_ids=[tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)],
+                         lora_name="bridge")
+    fsa = gc.BoolFSA.from_regex(r"[a-z]{1,3}")
+    seqs = await control.smc(gc.AWRS(llm, fsa.coerce(llm, f=b"".join)), 4, 0.0, 4, seed=0)
+    bound = api.bind(lm, constraint_for(Plan(llm, [condition_constraint(fsa)])), tuple(llm.token_maps.eos_idxs))
+    differs = False
+    for context, log_w in seqs:
+        ids = [t.token_id for t in context[:-1]]
+        state, want, base = bound.initial(), 0.0, 0.0
+        for k in range(len(ids) + 1):
+            prefix = list(llm.prompt_ids) + ids[:k]
+            mask = torch.from_numpy(bound.masks([state])[0])
+            want += float(torch.logsumexp((await lm.next_token_logprobs(prefix, lora_name="bridge")).double()[mask], 0))
+            base += float(torch.logsumexp((await lm.next_token_logprobs(prefix)).double()[mask], 0))
+            if k < len(ids):
+                state = bound.advance(state, ids[k])
+        assert math.isclose(log_w, want, abs_tol=1e-4), (ids, log_w, want)
+        differs |= abs(base - want) > 1e-2
+    assert differs  # the adapter changes the weights: they were not the base model's
