@@ -109,3 +109,41 @@ def test_only_loop_imports_steps():
     graph = engine_import_graph()
     importers = sorted(m for m, edges in graph.items() if "steps" in edges)
     assert importers == ["loop"], importers
+
+
+def _port_members() -> set[str]:
+    tree = ast.parse((ENGINE / "port.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LoopPort")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)} | {
+        n.name for n in cls.body if isinstance(n, ast.FunctionDef)
+    }
+
+
+def _loop_uses(path: Path) -> set[str]:
+    """Attributes read off the loop in ``path``: ``loop.x``, ``self.loop.x``, ``self._loop.x``."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id == "loop") or (
+            isinstance(v, ast.Attribute) and v.attr in ("loop", "_loop")
+            and isinstance(v.value, ast.Name) and v.value.id == "self"
+        ):
+            used.add(node.attr)
+    return used
+
+
+def test_loop_port_is_exactly_what_bursts_and_scoring_use_and_step_loop_has_it():
+    from genlm_vlm.engine.steps import StepLoop
+
+    members = _port_members()
+    used = _loop_uses(ENGINE / "bursts.py") | _loop_uses(ENGINE / "scoring.py")
+    assert used == members, f"used but not in LoopPort: {used - members}; in LoopPort, unused: {members - used}"
+    init = next(n for n in ast.walk(ast.parse((ENGINE / "steps.py").read_text()))
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    missing = sorted(m for m in members if not callable(getattr(StepLoop, m, None)) and m not in assigned)
+    assert not missing, f"StepLoop lacks LoopPort members: {missing}"
