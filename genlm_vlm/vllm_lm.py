@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures as cf
 import difflib
 import inspect
-import logging
 import os
 import threading
 from typing import Any
@@ -23,43 +22,30 @@ from typing import Any
 import torch
 
 from .base import ClosedError, SampleArgs, TokenIds, _topk
-from .batching import AutoBatcher, KeyPlan
+from .batching import AutoBatcher
 from .cache import OutputCache
 from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
 from .engine.scoring import ScoreResult, ScoreSpec
 from .lora import Adapter, UnknownAdapterError
 from .serving import Query, ServingLM
+from .sync_rows import _OOM_ERRORS, _SYNC_STATS, SyncRows, _check_chunk_sizes  # noqa: F401 - importable here too
 
 __all__ = ["AsyncVirtualLM", "ClosedError"]  # ClosedError lives in base; re-exported here
 
-logger = logging.getLogger(__name__)
-
-_OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
-
-
 #: Keyword arguments of :meth:`AsyncVirtualLM.from_name` itself (the rest go to ``__init__``).
 _FROM_NAME_OPTIONS = ("engine_opts", "output_device", "sessions", "forks", "max_sessions", "delivery_parts")
-
-
-def _check_chunk_sizes(chunk_size: int, min_chunk_size: int) -> None:
-    if chunk_size < 1 or min_chunk_size < 1:
-        raise ValueError("chunk_size and min_chunk_size must be >= 1")
 
 
 #: Why a scoring call went to the rows (``stats["scoring"]["fallback"]``): ``method="rows"``,
 #: an engine without the prompt-logprobs path, a top-k query whose row is in the output cache.
 _FALLBACKS = ("rows_requested", "unsupported", "topk_row_cached")
 
-#: Counters of ``stats["sync"]``: blocking calls, the rows they returned, and how each row was
-#: obtained (``rows == cache_hits + dedup_joins + computed`` over the calls that returned).
-_SYNC_STATS = ("calls", "rows", "cache_hits", "dedup_joins", "computed", "engine_calls")
-
 
 def _clone(row: torch.Tensor) -> torch.Tensor:
     return row.clone()
 
 
-class AsyncVirtualLM(ServingLM):
+class AsyncVirtualLM(SyncRows, ServingLM):
     """A vLLM model that hands out next-token log-probability rows to many concurrent awaiters.
 
     Rows are 1-D ``torch.float32`` tensors of length :attr:`vocab_size` (the model's logit
@@ -346,59 +332,6 @@ class AsyncVirtualLM(ServingLM):
 
     async def _samples(self, specs: list[SampleArgs], adapter: Adapter | None) -> list[list[int]]:
         return list(await asyncio.gather(*(self._sample_batcher.submit((s, adapter)) for s in specs)))
-
-    def _rows_sync(self, queries: list[Query], chunk_size: int | None, show_progress: bool) -> torch.Tensor:
-        """The blocking path: the cache-and-dedup step (:class:`~genlm_vlm.batching.KeyPlan`),
-        then the rows still missing in chunks (:meth:`_run_chunked`); refused on the engine thread."""
-        self._driver.refuse_engine_thread("a blocking call for rows (next_token_logprobs_sync, batch_..._sync)")
-        self._count_sync(calls=1)
-        if not queries:
-            return self._no_rows()
-        plan: KeyPlan[torch.Tensor] = KeyPlan([q.key for q in queries], self.cache)
-        todo = [queries[i] for i in plan.todo.values()]
-        if todo:
-            rows = self._run_chunked(todo, chunk_size or self.chunk_size, show_progress)
-            for q, row in zip(todo, rows, strict=True):
-                plan.fill(q.key, row)
-        out = torch.stack(plan.results())
-        self._count_sync(
-            rows=len(queries), cache_hits=plan.cache_hits, dedup_joins=plan.dedup_joins, computed=len(todo)
-        )
-        return out
-
-    def _count_sync(self, **counts: int) -> None:
-        with self._sync_lock:
-            for name, n in counts.items():
-                self._sync_stats[name] += n
-
-    def _run_chunked(self, reqs: list[Query], chunk_size: int, show_progress: bool) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        size = max(int(chunk_size), self.min_chunk_size)
-        bar = None
-        if show_progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(reqs), desc="scoring", unit="prompt")
-        try:
-            while len(out) < len(reqs):
-                chunk = reqs[len(out) : len(out) + size]
-                self._count_sync(engine_calls=1)
-                try:
-                    # An interrupt (Ctrl-C) cancels the chunk: its requests are aborted.
-                    rows = self._compute_rows(chunk)
-                except _OOM_ERRORS:
-                    if size <= self.min_chunk_size:
-                        raise
-                    size = max(self.min_chunk_size, size // 2)
-                    logger.warning("out of memory on a chunk of %d prompts; retrying with %d", len(chunk), size)
-                    continue
-                out.extend(rows)
-                if bar is not None:
-                    bar.update(len(rows))
-        finally:
-            if bar is not None:
-                bar.close()
-        return out
 
     # ------------------------------------------------------------------ LoRA hooks
     def _check_lora_support(self) -> None:

@@ -45,7 +45,7 @@ import torch
 from .jobs import Cancel, Job, Message, Outbox, Ticket
 
 if TYPE_CHECKING:
-    from .steps import StepLoop
+    from .port import LoopPort
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def burst_error(exc: BaseException, doing: str) -> BaseException:
 class Burst:
     """One controller run on the engine thread (see the module docstring)."""
 
-    def __init__(self, loop: StepLoop, job: Job) -> None:
+    def __init__(self, loop: LoopPort, job: Job) -> None:
         spec: BurstSpec = job.spec
         spec.runner = self
         self.loop = loop
@@ -292,7 +292,8 @@ class Burst:
 
 class BurstHost:
     """The step loop's side of bursts (a mixin of :class:`~.steps.StepLoop`: it works on the
-    loop's state, engine thread only)."""
+    loop's state, engine thread only). The loop it is mixed into is the
+    :class:`~.port.LoopPort` each :class:`Burst` is given."""
 
     _bursts: dict[int, Burst]
     _burst_counts: dict[str, int]
@@ -306,7 +307,7 @@ class BurstHost:
         """Set up and start a run (a :class:`Burst`): whatever raises fails that run alone."""
         self._burst_counts["started"] += 1
         try:
-            burst = Burst(self, job)  # type: ignore[arg-type]
+            burst = Burst(self, job)  # type: ignore[arg-type]  # the StepLoop this is mixed into
         except Exception as e:  # noqa: BLE001 - a bug of ours: this run only
             self.count_fault("burst_errors")
             self._burst_counts["failed"] += 1

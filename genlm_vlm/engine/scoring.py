@@ -49,7 +49,7 @@ from .jobs import Job
 from .prompt_logprobs import ScoringFacts, unsupported
 
 if TYPE_CHECKING:
-    from .steps import StepLoop
+    from .port import LoopPort
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class _Active:
 class ScoringQueue:
     """The score jobs of one :class:`~.steps.StepLoop` (engine thread only)."""
 
-    def __init__(self, loop: StepLoop) -> None:
+    def __init__(self, loop: LoopPort) -> None:
         self._loop = loop
         make = getattr(loop.core, "scoring", None)
         self.backend = make() if callable(make) else None
