@@ -351,6 +351,34 @@ for text, p in sorted(sequences.decoded_posterior.items(), key=lambda kv: -kv[1]
     ),
     (
         "markdown",
+        "smc-bridge-md",
+        (),
+        """\
+### The same genlm-control program inside the engine: one changed line
+
+`genlm_vlm.control.smc(sampler, n_particles, ess_threshold, max_tokens, seed=...)` takes the
+sampler as it is and runs its target (here the `PromptedLLM` times the coerced `BoolFSA`) as one
+burst on the engine thread with the locally optimal proposal: the FSA is translated exactly into a
+grammar, genlm-control's conventions are kept (`max_tokens` counts the EOS, forced at the limit),
+and the result is genlm-control's own `Sequences`. What it cannot run exactly it refuses, naming
+the part (`fallback=True` runs genlm-control's own SMC instead).""",
+    ),
+    (
+        "code",
+        "smc-bridge",
+        ("deterministic",),
+        """\
+import genlm_vlm.control
+
+sequences = await genlm_vlm.control.smc(AWRS(llm, condition, seed=0), n_particles=16, ess_threshold=0.5,
+                                        max_tokens=24, seed=0)   # was: AWRS(...).smc(16, 0.5, 24)
+
+print(f"estimated log P(constraint) = {sequences.log_ml:.2f}")
+for text, p in sorted(sequences.decoded_posterior.items(), key=lambda kv: -kv[1])[:5]:
+    print(f"  {p:.3f}  {'the' + text + '.'!r}")""",
+    ),
+    (
+        "markdown",
         "smc-engine-md",
         (),
         """\

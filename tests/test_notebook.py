@@ -134,6 +134,11 @@ def _check_results(out: dict[str, str]) -> None:
         assert SMC_TEXT.fullmatch(text), text
     assert math.isclose(sum(p for p, _ in posterior), 1.0, abs_tol=0.01), smc
 
+    bridge = out["smc-bridge"]
+    assert _number_after(bridge, "estimated log P(constraint) =") < 0
+    posterior = [(float(p), ast.literal_eval(t)) for p, t in re.findall(r"^\s+(\d\.\d+)\s+(['\"].*['\"])$", bridge, re.M)]
+    assert posterior and all(SMC_TEXT.fullmatch(t) for _, t in posterior), bridge
+
     engine = out["smc-engine"]
     assert "same particles and weights in Python: True" in engine, engine
     assert _number_after(engine, "estimated log P(constraint) =") < 0
