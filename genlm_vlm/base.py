@@ -6,7 +6,7 @@ import asyncio
 import numbers
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
@@ -430,6 +430,8 @@ class AsyncLM(ABC):
         lora_name: str | None = None,
         eos_token_ids: Sequence[int] | int | None = None,
         in_engine: bool = True,
+        prompts: Sequence[TokenIds] | None = None,
+        critic: Callable[[list[bytes]], Any] | None = None,
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
 
@@ -444,15 +446,24 @@ class AsyncLM(ABC):
         (``in_engine=False``: per token in Python over :meth:`batch_next_token_logprobs`, the
         reference, byte-identical); on other models, per token in Python. Every argument is
         checked before any engine work. Returns an :class:`~genlm_vlm.smc.SMCResult`.
+
+        ``prompts=[p_1, ..., p_k]`` (``k >= 2``, with ``prompt_ids=None``): a product of prompts,
+        the target ``prod_j p(x | p_j)`` on the constraint (:mod:`genlm_vlm.smc.product`).
+        ``critic(texts) -> log weights``: called once at the end, in this coroutine, on the
+        finished particles' texts (it may be ``async``); its log weights multiply theirs, and
+        ``posterior`` and ``log_marginal`` are recomputed.
         """
         from .smc import api
 
+        prompts = api.check_prompts(self, prompt_ids, prompts, max_tokens)
+        critic = api.check_critic(critic)
         prompt, controller = api.prepare(
-            self, prompt_ids, constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
+            self, prompt_ids if prompts is None else prompts[0], constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
             resampling=resampling, temperature=temperature, seed=seed, lora_name=lora_name,
             eos_token_ids=eos_token_ids,
         )
-        return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine)
+        return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine, prompts=prompts,
+                             critic=critic)
 
     def smc_sync(self, prompt_ids: TokenIds, constraint: Any, n_particles: int, max_tokens: int,
                  **kwargs: Any) -> SMCResult:
@@ -464,16 +475,19 @@ class AsyncLM(ABC):
             return asyncio.run(self.smc(prompt_ids, constraint, n_particles, max_tokens, **kwargs))
         raise RuntimeError("smc_sync was called inside a running event loop: use `await lm.smc(...)` there")
 
-    async def run_controller(self, prompt_ids: TokenIds, controller: Controller, *, lora_name: str | None = None,
-                             start: Sequence[Sequence[int]] | None = None) -> Any:
+    async def run_controller(self, prompt_ids: TokenIds | None, controller: Controller, *,
+                             lora_name: str | None = None, start: Sequence[Sequence[int]] | None = None,
+                             prompts: Sequence[TokenIds] | None = None) -> Any:
         """Run a :class:`~genlm_vlm.smc.Controller` over particles that start at ``prompt_ids``
         (plus ``start[i]`` for particle ``i``) and return ``controller.result(...)``. Here: per
         token in Python (:func:`genlm_vlm.smc.drive`); :class:`~genlm_vlm.AsyncVirtualLM` runs
-        it on the engine thread."""
-        from .smc import drive
+        it on the engine thread. ``prompts`` (``k >= 2``, with ``prompt_ids=None``): a product
+        of prompts, the controller gets the rows summed over them (:mod:`genlm_vlm.smc.controller`)."""
+        from .smc import api, drive
 
-        return await drive(self, self._check_ids(prompt_ids, "prompt_ids"), controller, lora_name=lora_name,
-                           start=start)
+        prompts = api.check_prompts(self, prompt_ids, prompts)
+        prompt = self._check_ids(prompt_ids, "prompt_ids") if prompts is None else prompts[0]
+        return await drive(self, prompt, controller, lora_name=lora_name, start=start, prompts=prompts)
 
 
 def _prefix_chunks(
