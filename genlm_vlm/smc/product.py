@@ -30,6 +30,7 @@ import math
 import numbers
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -147,10 +148,24 @@ async def criticise(result: Any, critic: Any) -> Any:
 
 
 def criticise_sync(result: Any, critic: Any) -> Any:
-    """:func:`criticise` for a blocking caller (``smc_sync``): a coroutine critic runs in a
-    fresh event loop, which needs no loop running in this thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(criticise(result, critic))
-    raise RuntimeError("smc_sync with a critic was called inside a running event loop: use `await lm.smc(...)`")
+    """:func:`criticise` for a blocking caller (``smc_sync``): an awaitable answer is awaited in
+    a fresh event loop (on a helper thread if this thread runs one)."""
+    texts = [p.text for p in result.particles if p.finished]
+    t0 = time.perf_counter()
+    if texts:
+        values = critic(texts)
+        if inspect.isawaitable(values):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                values = asyncio.run(_wait(values))
+            else:
+                with ThreadPoolExecutor(1) as pool:
+                    values = pool.submit(asyncio.run, _wait(values)).result()
+        apply_critic(result, critic, values)
+    result.stats["critic_s"] = round(time.perf_counter() - t0, 6)
+    return result
+
+
+async def _wait(awaitable: Any) -> Any:
+    return await awaitable
