@@ -445,25 +445,15 @@ class AsyncLM(ABC):
         :class:`~genlm_vlm.AsyncVirtualLM` the whole run is one *burst* on the engine thread
         (``in_engine=False``: per token in Python over :meth:`batch_next_token_logprobs`, the
         reference, byte-identical); on other models, per token in Python. Every argument is
-        checked before any engine work. Returns an :class:`~genlm_vlm.smc.SMCResult`.
-
-        ``prompts=[p_1, ..., p_k]`` (``k >= 2``, with ``prompt_ids=None``): a product of prompts,
-        the target ``prod_j p(x | p_j)`` on the constraint (:mod:`genlm_vlm.smc.product`).
-        ``critic(texts) -> log weights``: called once at the end, in this coroutine, on the
-        finished particles' texts (it may be ``async``); its log weights multiply theirs, and
-        ``posterior`` and ``log_marginal`` are recomputed.
+        checked before any engine work. Returns an :class:`~genlm_vlm.smc.SMCResult`. ``prompts``
+        (with ``prompt_ids=None``): a product of prompts; ``critic``: a terminal critic, called
+        once at the end in this coroutine (:mod:`genlm_vlm.smc.product`).
         """
         from .smc import api
 
-        prompts = api.check_prompts(self, prompt_ids, prompts, max_tokens)
-        critic = api.check_critic(critic)
-        prompt, controller = api.prepare(
-            self, prompt_ids if prompts is None else prompts[0], constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
-            resampling=resampling, temperature=temperature, seed=seed, lora_name=lora_name,
-            eos_token_ids=eos_token_ids,
-        )
-        return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine, prompts=prompts,
-                             critic=critic)
+        return await api.smc(self, prompt_ids, constraint, n_particles, max_tokens, prompts=prompts, critic=critic,
+                             in_engine=in_engine, ess_threshold=ess_threshold, resampling=resampling,
+                             temperature=temperature, seed=seed, lora_name=lora_name, eos_token_ids=eos_token_ids)
 
     def smc_sync(self, prompt_ids: TokenIds, constraint: Any, n_particles: int, max_tokens: int,
                  **kwargs: Any) -> SMCResult:
@@ -481,12 +471,10 @@ class AsyncLM(ABC):
         """Run a :class:`~genlm_vlm.smc.Controller` over particles that start at ``prompt_ids``
         (plus ``start[i]`` for particle ``i``) and return ``controller.result(...)``. Here: per
         token in Python (:func:`genlm_vlm.smc.drive`); :class:`~genlm_vlm.AsyncVirtualLM` runs
-        it on the engine thread. ``prompts`` (``k >= 2``, with ``prompt_ids=None``): a product
-        of prompts, the controller gets the rows summed over them (:mod:`genlm_vlm.smc.controller`)."""
+        it on the engine thread. ``prompts=``: a product of prompts (:mod:`genlm_vlm.smc.product`)."""
         from .smc import api, drive
 
-        prompts = api.check_prompts(self, prompt_ids, prompts)
-        prompt = self._check_ids(prompt_ids, "prompt_ids") if prompts is None else prompts[0]
+        prompt, prompts = api.resolve_prompts(self, prompt_ids, prompts)
         return await drive(self, prompt, controller, lora_name=lora_name, start=start, prompts=prompts)
 
 

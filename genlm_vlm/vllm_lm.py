@@ -423,11 +423,10 @@ class AsyncVirtualLM(ServingLM):
     # ------------------------------------------------------------------ controllers (genlm_vlm.smc)
     def _submit_burst(self, prompt_ids: Any, controller: Any, lora_name: str | None, start: Any,
                       prompts: Any = None) -> cf.Future:
-        from .smc.product import check_prompts
+        from .smc.product import resolve_prompts
 
         self._check_open()
-        prompts = check_prompts(self, prompt_ids, prompts)
-        prompt = self._check_ids(prompt_ids, "prompt_ids") if prompts is None else prompts[0]
+        prompt, prompts = resolve_prompts(self, prompt_ids, prompts)
         lora = self._lora_of(self._loras.resolve(lora_name))
         return self._driver.submit_burst(prompt, controller, lora, start, prompts)
 
@@ -455,10 +454,9 @@ class AsyncVirtualLM(ServingLM):
         if not in_engine:
             return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
         lora_name = kwargs.get("lora_name")
-        prompts = api.check_prompts(self, prompt_ids, kwargs.pop("prompts", None), max_tokens)
+        prompt, prompts = api.resolve_prompts(self, prompt_ids, kwargs.pop("prompts", None), max_tokens)
         critic = api.check_critic(kwargs.pop("critic", None))
-        prompt, controller = api.prepare(self, prompt_ids if prompts is None else prompts[0], constraint,
-                                         n_particles, max_tokens, **kwargs)
+        prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, **kwargs)
         t0 = time.perf_counter()
         [result] = wait_all([self._submit_burst(None if prompts else prompt, controller, lora_name, None, prompts)])
         if critic is not None:

@@ -66,6 +66,14 @@ def check_prompts(lm: Any, prompt_ids: Any, prompts: Any, max_tokens: Any = None
     return out
 
 
+def resolve_prompts(lm: Any, prompt_ids: Any, prompts: Any, max_tokens: Any = None
+                    ) -> tuple[Tokens, tuple[Tokens, ...] | None]:
+    """``(the run's first prompt, the checked prompts or None)``: ``prompt_ids`` checked when
+    ``prompts`` is None, else :func:`check_prompts` (the first prompt is ``prompts[0]``)."""
+    checked = check_prompts(lm, prompt_ids, prompts, max_tokens)
+    return (lm._check_ids(prompt_ids, "prompt_ids") if checked is None else checked[0]), checked
+
+
 def check_critic(critic: Any) -> Any:
     """``critic``: None or a callable (a function or coroutine function of a list of bytes)."""
     if critic is not None and not callable(critic):
