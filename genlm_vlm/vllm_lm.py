@@ -454,8 +454,8 @@ class AsyncVirtualLM(ServingLM):
         if not in_engine:
             return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
         lora_name = kwargs.get("lora_name")
-        prompt, prompts = api.resolve_prompts(self, prompt_ids, kwargs.pop("prompts", None), max_tokens)
-        critic = api.check_critic(kwargs.pop("critic", None))
+        prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
+                                                    kwargs.pop("critic", None), kwargs)
         prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, **kwargs)
         t0 = time.perf_counter()
         [result] = wait_all([self._submit_burst(None if prompts else prompt, controller, lora_name, None, prompts)])

@@ -383,6 +383,14 @@ async def test_smc_runs_on_one_replica(pool):
     assert all(p.text.replace(b" ", b"").isalpha() or not p.text.strip() for p in a.particles)
     with pytest.raises(ConstraintError, match="does not compile"):
         await pool.smc(prompt, Regex("("), 8, 10)
+    # a product of prompts runs on the replica; a critic runs here, after the run
+    prompts = [prompt, [5, 9, 40]]
+    seen = []
+    c = await pool.smc(None, Regex(r"[a-z ]+"), 8, 10, seed=3, prompts=prompts, critic=lambda t: seen.append(t) or [0.0] * len(t))
+    d = await pool.smc(None, Regex(r"[a-z ]+"), 8, 10, seed=3, prompts=prompts)
+    assert c.stats["where"] == "engine" and "critic_s" in c.stats and seen
+    assert [p.token_ids for p in c.particles] == [p.token_ids for p in d.particles]
+    assert [p.token_ids for p in c.particles] != [p.token_ids for p in a.particles]
 
 
 @pytest.mark.ray

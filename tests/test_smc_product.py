@@ -88,6 +88,17 @@ def test_bad_prompts_are_refused(prompt_ids, prompts, error, match):
         lm.smc_sync(prompt_ids, _ten_tokens(lm), 4, 6, prompts=prompts)
 
 
+def test_a_product_refuses_a_target_temperature():
+    """Tempering the target normalises each step's summed row (another target): refused."""
+    from genlm_vlm.smc.product import check_options
+
+    lm = _mock()
+    with pytest.raises(ValueError, match="takes no target_temperature"):
+        check_options(lm, None, 6, [[1, 2], [3]], None, {"target_temperature": 0.5})
+    assert check_options(lm, None, 6, [[1, 2], [3]], None, {"target_temperature": 1.0})[1] == ((1, 2), (3,))
+    assert check_options(lm, [1, 2], 6, None, None, {"target_temperature": 0.5}) == ((1, 2), None, None)
+
+
 def test_the_mock_runs_a_product_and_its_reference():
     lm = _mock()
     a = lm.smc_sync(None, _ten_tokens(lm), 8, 6, seed=3, prompts=[[1, 2, 3], [4, 5]])

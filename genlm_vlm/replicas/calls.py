@@ -270,8 +270,8 @@ class CallMixin:
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = kwargs.get("in_engine", True)
-        prompt, prompts = api.resolve_prompts(self, prompt_ids, kwargs.pop("prompts", None), max_tokens)
-        critic = api.check_critic(kwargs.pop("critic", None))  # runs here, after the run, never on a replica
+        prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
+                                                    kwargs.pop("critic", None), kwargs)  # the critic runs here
         prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, build=not in_engine,
                                          **{k: v for k, v in kwargs.items() if k != "in_engine"})
         if controller is not None:

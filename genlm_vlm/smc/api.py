@@ -18,10 +18,9 @@ from ..checks import as_token_ids, check_seed
 from .algorithm import RESAMPLING, SMCController, SMCResult
 from .constraints import Constraint, as_constraint
 from .controller import drive
-from .product import check_critic, check_prompts, criticise, criticise_sync, resolve_prompts
+from .product import check_options, criticise, criticise_sync, resolve_prompts
 
-__all__ = ["bind", "check_critic", "check_prompts", "criticise", "criticise_sync", "prepare", "resolve_prompts",
-           "run", "smc"]
+__all__ = ["bind", "check_options", "criticise", "criticise_sync", "prepare", "resolve_prompts", "run", "smc"]
 
 
 def _eos_ids(lm: Any, eos_token_ids: Any) -> tuple[int, ...]:
@@ -106,7 +105,7 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
     """Run ``controller`` on ``lm`` (see the module docstring) and time it; ``prompts``
     (checked by :func:`check_prompts`): a product of prompts; ``critic`` (checked by
     :func:`check_critic`): applied once at the end, here, in the caller's coroutine
-    (:func:`apply_critic`)."""
+    (:func:`~.product.criticise`)."""
     t0 = time.perf_counter()
     if in_engine:
         if prompts is None:
@@ -122,13 +121,11 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
     return result
 
 
-
 async def smc(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *, in_engine: bool = True,
               prompts: Any = None, critic: Any = None, **kwargs: Any) -> SMCResult:
     """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``prompts``, ``critic``, then
     :func:`prepare`'s), then :func:`run`."""
-    prompt, prompts = resolve_prompts(lm, prompt_ids, prompts, max_tokens)
-    critic = check_critic(critic)
+    prompt, prompts, critic = check_options(lm, prompt_ids, max_tokens, prompts, critic, kwargs)
     prompt, controller = prepare(lm, prompt, constraint, n_particles, max_tokens, **kwargs)
     return await run(lm, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=in_engine,
                      prompts=prompts, critic=critic)

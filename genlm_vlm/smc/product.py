@@ -74,6 +74,21 @@ def resolve_prompts(lm: Any, prompt_ids: Any, prompts: Any, max_tokens: Any = No
     return (lm._check_ids(prompt_ids, "prompt_ids") if checked is None else checked[0]), checked
 
 
+def check_options(lm: Any, prompt_ids: Any, max_tokens: Any, prompts: Any, critic: Any,
+                  others: dict[str, Any]) -> tuple[Tokens, tuple[Tokens, ...] | None, Any]:
+    """``lm.smc``'s ``prompts`` and ``critic`` checked, and their combination with its other
+    options (``others``): ``(the run's first prompt, the prompts or None, the critic or None)``.
+    A product of prompts refuses a ``target_temperature`` other than 1: tempering normalises
+    each step's summed row, which would target the locally normalised product, not
+    ``prod_j p(x | p_j)``."""
+    prompt, checked = resolve_prompts(lm, prompt_ids, prompts, max_tokens)
+    tau = others.get("target_temperature")
+    if checked is not None and tau is not None and tau != 1:
+        raise ValueError(f"prompts= (a product of prompts) takes no target_temperature (got {tau!r}): tempering "
+                         "normalises each step's product, a different target; use temperature= (the proposal)")
+    return prompt, checked, check_critic(critic)
+
+
 def check_critic(critic: Any) -> Any:
     """``critic``: None or a callable (a function or coroutine function of a list of bytes)."""
     if critic is not None and not callable(critic):
