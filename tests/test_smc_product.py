@@ -6,7 +6,7 @@
 * on the real engine (tiny llama): the product run is byte-identical to its Python reference,
   with resampling and temperature; each factor continues its own session (one token computed per
   factor per particle per step); the same result beside other traffic;
-* exactness on a small finite language: the pooled posterior of seeded runs is the enumerated
+* exactness on a small finite language (two of three tokens, then EOS): the pooled posterior of seeded runs is the enumerated
   product posterior ``∝ prod_j p(x | p_j)``, and ``exp(log_marginal)`` is unbiased for
   ``sum_x prod_j p(x | p_j)``; a critic that reweights texts gives the reweighted posterior and
   an unbiased reweighted marginal.
@@ -24,13 +24,10 @@ import torch
 from genlm_vlm.smc import Decision, Regex, TokenMask
 from genlm_vlm.smc.controller import Controller, ParticleSet, fold_rows
 
-#: A small finite language over the tiny tokenizers' tokens ('on', 'se', 'er' are tokens).
-FINITE = r"(on|se|er)( (on|se))?"
-
 
 def _prompts(lm) -> list[list[int]]:
     tok = lm.tokenizer
-    texts = ("def main():\n    return", "The answer is")
+    texts = ("def main():\n    return", "hello world")
     return [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False)] for t in texts]
 
 
@@ -268,40 +265,63 @@ def _unbiased(results, log_z: float) -> None:
     assert abs(z_hat.mean() - 1.0) < 3 * se + 1e-9, (z_hat.mean(), se)
 
 
+def _two_of_three(lm) -> TokenMask:
+    """Exactly two tokens out of 'on', 'se', 'er', then EOS: nine texts, every one as long as
+    the others (no short text hidden behind an improbable EOS, which would need far larger N)."""
+    ids = [lm.tokenizer.convert_tokens_to_ids(x) for x in ("on", "se", "er")]
+    eos = lm.tokenizer.eos_token_id
+
+    def fn(gens):
+        m = np.zeros((len(gens), lm.vocab_size), dtype=bool)
+        for k, g in enumerate(gens):
+            m[k, ids if len(g) < 2 else [eos]] = True
+        return m
+
+    return TokenMask(fn, name="two of three")
+
+
 async def test_product_matches_the_enumerated_product_posterior(llama_lm):
     lm = llama_lm
     prompts = _prompts(lm)
-    post, log_z = _enumerate(lm, prompts, Regex(FINITE))
-    single, _ = _enumerate(lm, prompts[:1], Regex(FINITE))
-    assert len(post) >= 8 and _tv(post, single) > 0.1  # the second factor matters here
-    small = await asyncio.gather(*(lm.smc(None, Regex(FINITE), 4, 8, seed=s, prompts=prompts) for s in range(60)))
+    post, log_z = _enumerate(lm, prompts, _two_of_three(lm))
+    single, _ = _enumerate(lm, prompts[:1], _two_of_three(lm))
+    assert len(post) == 9 and _tv(post, single) > 0.2  # the second factor matters here
+    small = await asyncio.gather(*(lm.smc(None, _two_of_three(lm), 4, 4, seed=s, prompts=prompts)
+                                   for s in range(60)))
     _unbiased(small, log_z)
-    big = await asyncio.gather(*(lm.smc(None, Regex(FINITE), 128, 8, seed=s, prompts=prompts) for s in range(8)))
+    big = await asyncio.gather(*(lm.smc(None, _two_of_three(lm), 128, 4, seed=s, prompts=prompts)
+                                 for s in range(16)))
     assert all(set(r.posterior) <= set(post) for r in big)
-    assert _tv(_pooled(big), post) < 0.05, (_pooled(big), post)
-    assert _tv(_pooled(big), single) > 0.08  # ... and not the first factor's posterior
+    pooled = _pooled(big)
+    assert _tv(pooled, post) < 0.05, (pooled, post)  # measured 0.014
+    assert _tv(pooled, single) > 0.15  # ... and not the first factor's posterior
 
 
 async def test_a_critic_reweights_to_the_enumerated_posterior(llama_lm):
     lm = llama_lm
     prompt = _prompts(lm)[0]
-    post, log_z = _enumerate(lm, [prompt], Regex(FINITE))
-    top = max(post, key=post.get)
-    gone = min(post, key=post.get)
+    post, log_z = _enumerate(lm, [prompt], _two_of_three(lm))
+    top, second, third = sorted(post, key=post.get, reverse=True)[:3]
+    c = {t: 0.25 if t == top else 2.0 if t == second else 0.0 if t == third else 1.0 for t in post}
     calls = []
 
-    async def critic(texts):  # doubles `top`, removes `gone`
+    async def critic(texts):  # quarters `top`, doubles `second`, removes `third`
         calls.append(len(texts))
-        return [math.log(2.0) if t == top else -math.inf if t == gone else 0.0 for t in texts]
+        return [math.log(c[t]) if c[t] else -math.inf for t in texts]
 
-    c = {t: 2.0 if t == top else 0.0 if t == gone else 1.0 for t in post}
     z_c = sum(post[t] * c[t] for t in post)
     want = {t: post[t] * c[t] / z_c for t in post if c[t]}
-    small = await asyncio.gather(*(lm.smc(prompt, Regex(FINITE), 4, 8, seed=s, critic=critic) for s in range(60)))
+    assert _tv(want, post) > 0.2
+    # N = 32: at N = 4 most runs see only `top`, and the estimate's rare large values (runs that
+    # drew `second`) make 60 runs' mean and standard error useless
+    small = await asyncio.gather(*(lm.smc(prompt, _two_of_three(lm), 32, 4, seed=s, critic=critic)
+                                   for s in range(60)))
     _unbiased(small, log_z + math.log(z_c))
-    big = await asyncio.gather(*(lm.smc(prompt, Regex(FINITE), 128, 8, seed=s, critic=critic) for s in range(8)))
-    assert all(gone not in r.posterior for r in big)
-    assert _tv(_pooled(big), want) < 0.05, (_pooled(big), want)
-    assert len(calls) == 68  # once per run
-    sync = lm.smc_sync(prompt, Regex(FINITE), 128, 8, seed=0, critic=critic)  # the blocking path too
+    big = await asyncio.gather(*(lm.smc(prompt, _two_of_three(lm), 128, 4, seed=s, critic=critic) for s in range(32)))
+    assert all(third not in r.posterior for r in big)
+    pooled = _pooled(big)
+    assert _tv(pooled, want) < 0.05, (pooled, want)
+    assert _tv(pooled, post) > 0.15  # ... and not the posterior without the critic
+    assert len(calls) == 92  # once per run
+    sync = lm.smc_sync(prompt, _two_of_three(lm), 128, 4, seed=0, critic=critic)  # the blocking path too
     assert _fingerprint(sync) == _fingerprint(big[0]) and sync.posterior == big[0].posterior
