@@ -6,7 +6,7 @@ import asyncio
 import numbers
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
@@ -431,6 +431,8 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int] | int | None = None,
         force_eos: bool = False, target_temperature: float = 1.0,
         in_engine: bool = True,
+        prompts: Sequence[TokenIds] | None = None,
+        critic: Callable[[list[bytes]], Any] | None = None,
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
 
@@ -441,20 +443,18 @@ class AsyncLM(ABC):
         tokenizer's ``eos_token_id``) or ``max_tokens``; resampled (``resampling``) when the
         effective sample size falls below ``ess_threshold * n_particles`` (``force_eos`` and
         ``target_temperature``: genlm-control's conventions, docs/API.md). With ``seed`` the run
-        is reproducible, and the same wherever it runs: on an
-        :class:`~genlm_vlm.AsyncVirtualLM` the whole run is one *burst* on the engine thread
-        (``in_engine=False``: per token in Python over :meth:`batch_next_token_logprobs`, the
-        reference, byte-identical); on other models, per token in Python. Every argument is
-        checked before any engine work. Returns an :class:`~genlm_vlm.smc.SMCResult`.
+        is reproducible wherever it runs: on an :class:`~genlm_vlm.AsyncVirtualLM` one *burst* on
+        the engine thread (``in_engine=False``: per token in Python, the byte-identical reference);
+        elsewhere per token in Python. Arguments are checked before any engine work. ``prompts``
+        (with ``prompt_ids=None``): a product of prompts; ``critic``: a terminal critic, called once
+        at the end in this coroutine (:mod:`genlm_vlm.smc.product`). Returns an ``SMCResult``.
         """
         from .smc import api
 
-        prompt, controller = api.prepare(
-            self, prompt_ids, constraint, n_particles, max_tokens, ess_threshold=ess_threshold,
-            resampling=resampling, temperature=temperature, seed=seed, lora_name=lora_name,
-            eos_token_ids=eos_token_ids, force_eos=force_eos, target_temperature=target_temperature,
-        )
-        return await api.run(self, prompt, controller, lora_name=lora_name, in_engine=in_engine)
+        return await api.smc(self, prompt_ids, constraint, n_particles, max_tokens, prompts=prompts, critic=critic,
+                             in_engine=in_engine, ess_threshold=ess_threshold, resampling=resampling,
+                             temperature=temperature, seed=seed, lora_name=lora_name, eos_token_ids=eos_token_ids,
+                             force_eos=force_eos, target_temperature=target_temperature)
 
     def smc_sync(self, prompt_ids: TokenIds, constraint: Any, n_particles: int, max_tokens: int,
                  **kwargs: Any) -> SMCResult:
@@ -466,16 +466,17 @@ class AsyncLM(ABC):
             return asyncio.run(self.smc(prompt_ids, constraint, n_particles, max_tokens, **kwargs))
         raise RuntimeError("smc_sync was called inside a running event loop: use `await lm.smc(...)` there")
 
-    async def run_controller(self, prompt_ids: TokenIds, controller: Controller, *, lora_name: str | None = None,
-                             start: Sequence[Sequence[int]] | None = None) -> Any:
+    async def run_controller(self, prompt_ids: TokenIds | None, controller: Controller, *,
+                             lora_name: str | None = None, start: Sequence[Sequence[int]] | None = None,
+                             prompts: Sequence[TokenIds] | None = None) -> Any:
         """Run a :class:`~genlm_vlm.smc.Controller` over particles that start at ``prompt_ids``
         (plus ``start[i]`` for particle ``i``) and return ``controller.result(...)``. Here: per
         token in Python (:func:`genlm_vlm.smc.drive`); :class:`~genlm_vlm.AsyncVirtualLM` runs
-        it on the engine thread."""
-        from .smc import drive
+        it on the engine thread. ``prompts=``: a product of prompts (:mod:`genlm_vlm.smc.product`)."""
+        from .smc import api, drive
 
-        return await drive(self, self._check_ids(prompt_ids, "prompt_ids"), controller, lora_name=lora_name,
-                           start=start)
+        prompt, prompts = api.resolve_prompts(self, prompt_ids, prompts)
+        return await drive(self, prompt, controller, lora_name=lora_name, start=start, prompts=prompts)
 
 
 def _prefix_chunks(

@@ -354,19 +354,23 @@ class AsyncVirtualLM(SyncRows, ServingLM):
 
     # ------------------------------------------------------------------ housekeeping
     # ------------------------------------------------------------------ controllers (genlm_vlm.smc)
-    def _submit_burst(self, prompt_ids: Any, controller: Any, lora_name: str | None, start: Any) -> cf.Future:
-        self._check_open()
-        prompt = self._check_ids(prompt_ids, "prompt_ids")
-        lora = self._lora_of(self._loras.resolve(lora_name))
-        return self._driver.submit_burst(prompt, controller, lora, start)
+    def _submit_burst(self, prompt_ids: Any, controller: Any, lora_name: str | None, start: Any,
+                      prompts: Any = None) -> cf.Future:
+        from .smc.product import resolve_prompts
 
-    async def run_controller(self, prompt_ids: TokenIds, controller: Any, *, lora_name: str | None = None,
-                             start: Any = None) -> Any:
+        self._check_open()
+        prompt, prompts = resolve_prompts(self, prompt_ids, prompts)
+        lora = self._lora_of(self._loras.resolve(lora_name))
+        return self._driver.submit_burst(prompt, controller, lora, start, prompts)
+
+    async def run_controller(self, prompt_ids: TokenIds | None, controller: Any, *, lora_name: str | None = None,
+                             start: Any = None, prompts: Any = None) -> Any:
         """Run a :class:`~genlm_vlm.smc.Controller` as a *burst* on the engine thread: each
         engine step hands it the rows of its live particles and continues them with the tokens
         it chose, with no trip through the event loop per token (see :mod:`genlm_vlm.smc`).
-        Cancelling the await abandons the run's requests at the next engine step."""
-        result = await asyncio.wrap_future(self._submit_burst(prompt_ids, controller, lora_name, start))
+        Cancelling the await abandons the run's requests at the next engine step. ``prompts``:
+        a product of prompts, as in :meth:`~genlm_vlm.AsyncLM.run_controller`."""
+        result = await asyncio.wrap_future(self._submit_burst(prompt_ids, controller, lora_name, start, prompts))
         if isinstance(getattr(result, "stats", None), dict):
             result.stats["where"] = "engine"
         return result
@@ -383,9 +387,13 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         if not in_engine:
             return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
         lora_name = kwargs.get("lora_name")
-        prompt, controller = api.prepare(self, prompt_ids, constraint, n_particles, max_tokens, **kwargs)
+        prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
+                                                    kwargs.pop("critic", None), kwargs)
+        prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, **kwargs)
         t0 = time.perf_counter()
-        [result] = wait_all([self._submit_burst(prompt, controller, lora_name, None)])
+        [result] = wait_all([self._submit_burst(None if prompts else prompt, controller, lora_name, None, prompts)])
+        if critic is not None:
+            api.criticise_sync(result, critic)
         result.stats.update(where="engine", wall_s=round(time.perf_counter() - t0, 6))
         return result
 

@@ -383,6 +383,21 @@ async def test_smc_runs_on_one_replica(pool):
     assert all(p.text.replace(b" ", b"").isalpha() or not p.text.strip() for p in a.particles)
     with pytest.raises(ConstraintError, match="does not compile"):
         await pool.smc(prompt, Regex("("), 8, 10)
+    # a product of prompts runs on the replica; a critic runs here, after the run
+    prompts = [prompt, [5, 9, 40]]
+    seen = []
+    short = Regex(r"[a-z]{1,4}")
+
+    def critic(texts):
+        seen.append(texts)
+        return [0.0] * len(texts)
+
+    c = await pool.smc(None, short, 8, 10, seed=3, prompts=prompts, critic=critic)
+    d = await pool.smc(None, short, 8, 10, seed=3, prompts=prompts)
+    e = await pool.smc(prompt, short, 8, 10, seed=3)
+    assert c.stats["where"] == "engine" and c.n_finished and seen == [[p.text for p in c.particles if p.finished]]
+    assert [p.token_ids for p in c.particles] == [p.token_ids for p in d.particles]
+    assert [p.token_ids for p in c.particles] != [p.token_ids for p in e.particles]
 
 
 @pytest.mark.ray

@@ -9,7 +9,10 @@ one request, and the burst's requests share engine steps with every other caller
 caps. The jobs' waiters are :class:`~.jobs.Ticket` objects whose listener is the burst: when the
 last row of a round arrives (in the step that computed it), the burst stacks the rows, calls
 ``controller.step`` on the engine thread, applies the decision and queues the next round, which
-the loop admits before its next step. One SMC step is one engine step.
+the loop admits before its next step. One SMC step is one engine step. In a product of prompts
+(``BurstSpec.prompts``) a round queues every factor's contexts together (each factor continues
+or forks its own sessions) and the controller gets the rows summed over the factors
+(:func:`~genlm_vlm.smc.controller.fold_rows`, as :func:`~genlm_vlm.smc.drive` does).
 
 Everything the controller hands over (``n_particles``, the run's ``start``, every decision) is
 checked here, on the engine thread, before any of it reaches vLLM
@@ -54,11 +57,13 @@ Tokens = tuple[int, ...]
 
 @dataclass(slots=True)
 class BurstSpec:
-    """What :meth:`~.loop.EngineDriver.submit_burst` queues: the controller and where to start."""
+    """What :meth:`~.loop.EngineDriver.submit_burst` queues: the controller, where to start, and
+    the factors' prompts of a product of prompts (None: the job's prompt alone)."""
 
     controller: Any
     start: Any = None
     runner: Burst | None = None
+    prompts: Any = None
 
 
 def burst_error(exc: BaseException, doing: str) -> BaseException:
@@ -81,7 +86,9 @@ class Burst:
         self.job = job
         self.controller = spec.controller
         self.start_tokens = spec.start
+        self.prompts = spec.prompts
         self.particles: Any = None  # a ParticleSet, made by start()
+        self.fold: Any = None  # smc.controller.fold_rows, imported by start()
         self.tickets: list[Ticket] = []
         self.jobs: list[Job] = []
         self.distinct = 0
@@ -113,13 +120,15 @@ class Burst:
     def start(self) -> None:
         """Check the controller's ``n_particles`` and the run's ``start`` (a mistake fails this
         run: :class:`~genlm_vlm.smc.controller.ControllerError`), then queue the first round."""
-        from ..smc.controller import ParticleSet, n_particles_of
+        from ..smc.controller import ParticleSet, fold_rows, n_particles_of
+
+        self.fold = fold_rows
 
         info = self.loop.info
         try:
             n = n_particles_of(self.controller)
             self.particles = ParticleSet(self.job.ids, n, self.start_tokens, vocab_size=info.vocab_size,
-                                         max_len=info.max_model_len)
+                                         max_len=info.max_model_len, prompts=self.prompts)
         except Exception as e:  # noqa: BLE001 - the controller's (or its start's) mistake: this run only
             self._fail(e, controller=True)
             return
@@ -133,7 +142,7 @@ class Burst:
             self._finish()
             return
         self.live = live
-        self.want = [ps.prefix(i) for i in live]
+        self.want = ps.wanted(live)  # k contexts per particle in a product of prompts
         self._release_dropped()
         self.rows = {}
         self.tickets = []
@@ -191,7 +200,7 @@ class Burst:
                     self.sessions.add(job.rid)
                 else:
                     self.sessions.discard(job.rid)
-        rows = torch.stack([self.rows[ids] for ids in self.want])
+        rows = self.fold(torch.stack([self.rows[ids] for ids in self.want]), len(self.particles.prompts))
         self.rows = {}
         t0 = time.perf_counter()
         try:

@@ -285,12 +285,14 @@ class EngineDriver:
         jobs = [Job("score", spec.prompt + spec.continuation, spec.lora, [], spec=spec) for spec in specs]
         return self._submit(jobs, listener, payloads)
 
-    def submit_burst(self, prompt: Tokens, controller: Any, lora: Any = None, start: Any = None) -> cf.Future:
+    def submit_burst(self, prompt: Tokens, controller: Any, lora: Any = None, start: Any = None,
+                     prompts: Any = None) -> cf.Future:
         """Run ``controller`` (a :class:`genlm_vlm.smc.Controller`) over particles that begin at
         ``prompt`` (plus ``start[i]`` for particle ``i`` when given) on the engine thread: a
         burst (:mod:`.bursts`). Returns a future of ``controller.result(...)``; cancelling it
-        abandons the run's requests at the next step and releases its idle sessions."""
-        job = Job("burst", tuple(prompt), lora, [], spec=BurstSpec(controller, start))
+        abandons the run's requests at the next step and releases its idle sessions. ``prompts``
+        (checked, ``k >= 2``; ``prompt`` is the first): a product of prompts (:mod:`.bursts`)."""
+        job = Job("burst", tuple(prompt), lora, [], spec=BurstSpec(controller, start, prompts=prompts))
         fut: cf.Future = cf.Future()
         fut.add_done_callback(self._on_future_done(job))
         job.waiters.append(fut)

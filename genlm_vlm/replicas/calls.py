@@ -270,13 +270,20 @@ class CallMixin:
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = kwargs.get("in_engine", True)
-        prompt, controller = api.prepare(self, prompt_ids, constraint, n_particles, max_tokens, build=not in_engine,
+        prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
+                                                    kwargs.pop("critic", None), kwargs)  # the critic runs here
+        prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, build=not in_engine,
                                          **{k: v for k, v in kwargs.items() if k != "in_engine"})
         if controller is not None:
-            return await api.run(self, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=False)
+            return await api.run(self, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=False,
+                                 prompts=prompts, critic=critic)
         # Checked here (compiled once per model); the replica builds the controller itself.
-        return await self._on_one_replica(prompt, kwargs.get("lora_name"), "smc", list(prompt), constraint,
-                                          n_particles, max_tokens, kwargs)
+        if prompts is not None:
+            kwargs["prompts"] = [list(p) for p in prompts]
+        result = await self._on_one_replica(prompt, kwargs.get("lora_name"), "smc",
+                                            None if prompts else list(prompt), constraint, n_particles,
+                                            max_tokens, kwargs)
+        return result if critic is None else await api.criticise(result, critic)
 
     async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
                              start: Any = None) -> Any:

@@ -18,6 +18,9 @@ from ..checks import as_token_ids, check_seed
 from .algorithm import RESAMPLING, SMCController, SMCResult
 from .constraints import Constraint, as_constraint
 from .controller import drive
+from .product import check_options, criticise, criticise_sync, resolve_prompts
+
+__all__ = ["bind", "check_options", "criticise", "criticise_sync", "prepare", "resolve_prompts", "run", "smc"]
 
 
 def _eos_ids(lm: Any, eos_token_ids: Any) -> tuple[int, ...]:
@@ -106,14 +109,32 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
 
 
 async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lora_name: str | None,
-              in_engine: bool) -> SMCResult:
-    """Run ``controller`` on ``lm`` (see the module docstring) and time it."""
+              in_engine: bool, prompts: tuple[tuple[int, ...], ...] | None = None,
+              critic: Any = None) -> SMCResult:
+    """Run ``controller`` on ``lm`` (see the module docstring) and time it; ``prompts``
+    (checked by :func:`check_prompts`): a product of prompts; ``critic`` (checked by
+    :func:`check_critic`): applied once at the end, here, in the caller's coroutine
+    (:func:`~.product.criticise`)."""
     t0 = time.perf_counter()
     if in_engine:
-        result = await lm.run_controller(prompt, controller, lora_name=lora_name)
+        if prompts is None:
+            result = await lm.run_controller(prompt, controller, lora_name=lora_name)
+        else:
+            result = await lm.run_controller(None, controller, lora_name=lora_name, prompts=prompts)
     else:
-        result = await drive(lm, prompt, controller, lora_name=lora_name)
+        result = await drive(lm, prompt, controller, lora_name=lora_name, prompts=prompts)
+    if critic is not None:
+        await criticise(result, critic)
     result.stats["wall_s"] = round(time.perf_counter() - t0, 6)
     result.stats.setdefault("where", "python")
     return result
 
+
+async def smc(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *, in_engine: bool = True,
+              prompts: Any = None, critic: Any = None, **kwargs: Any) -> SMCResult:
+    """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``prompts``, ``critic``, then
+    :func:`prepare`'s), then :func:`run`."""
+    prompt, prompts, critic = check_options(lm, prompt_ids, max_tokens, prompts, critic, kwargs)
+    prompt, controller = prepare(lm, prompt, constraint, n_particles, max_tokens, **kwargs)
+    return await run(lm, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=in_engine,
+                     prompts=prompts, critic=critic)

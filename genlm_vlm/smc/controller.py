@@ -27,6 +27,14 @@ method, ``smc``...): on the engine thread that would wait for itself, so it rais
 Rows are on the engine's device (the CPU on the CPU build); the controller keeps no reference to
 them past ``step`` (a run holds O(N) rows at a time).
 
+A product of prompts (``prompts``: ``k >= 2`` prompts, ``lm.smc(..., prompts=...)`` or
+``run_controller(..., prompts=...)``): the runner keeps one context per factor per particle
+(``prompts[j] + generated tokens``), computes all ``k * m`` rows in the same round (each factor
+continues its own session; a resampled copy forks every factor's), and hands ``step`` their sum:
+row ``k`` is ``sum_j log p(. | prompts[j] + generated)``, float32, added in factor order on the
+rows' device (:func:`fold_rows`, the same op in both runners). Such rows are *unnormalised* log
+weights of the product ``prod_j p(x | prompts[j] + ...)``, not log-probabilities.
+
 Whatever a controller hands over is checked before it is used (:class:`ParticleSet`, by both
 runners): ``n_particles``, ``start``, each decision (see :func:`check_decision`), and that no
 live particle's context reaches the model's ``max_model_len`` unless the run stops. A mistake
@@ -193,16 +201,20 @@ class ParticleSet:
     be in ``[0, vocab_size)``; with ``max_len`` (the model's ``max_model_len``), every live
     particle's context (``prompt`` + generated) must stay below it, so that its next row can be
     computed. Every violation raises :class:`ControllerError`: the runner (:func:`drive` or a
-    burst) checks with this class alone, so both raise the same messages.
+    burst) checks with this class alone, so both raise the same messages. ``prompts``: None, or
+    the factors' prompts of a product (``prompt`` is then ignored; contexts are checked against
+    the longest): :meth:`wanted` lists ``k * m`` contexts, :func:`fold_rows` sums their rows.
     """
 
-    __slots__ = ("_longest", "generated", "live_flags", "max_len", "prompt", "vocab_size")
+    __slots__ = ("_longest", "generated", "live_flags", "max_len", "prompt", "prompts", "vocab_size")
 
     def __init__(self, prompt: Tokens, n: int, start: Sequence[Sequence[int]] | None = None, *,
-                 vocab_size: int | None = None, max_len: int | None = None) -> None:
+                 vocab_size: int | None = None, max_len: int | None = None,
+                 prompts: Sequence[Tokens] | None = None) -> None:
         from ..checks import as_token_ids
 
-        self.prompt = tuple(prompt)
+        self.prompts = (tuple(prompt),) if prompts is None else tuple(tuple(p) for p in prompts)
+        self.prompt = max(self.prompts, key=len)  # the longest: what max_len is checked against
         self.vocab_size = vocab_size
         self.max_len = max_len
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -236,8 +248,15 @@ class ParticleSet:
         return [i for i, f in enumerate(self.live_flags) if f]
 
     def prefix(self, i: int) -> Tokens:
-        """The token ids whose next-token row particle ``i`` needs."""
-        return self.prompt + self.generated[i]
+        """The token ids whose next-token row particle ``i`` needs (its first factor's, in a
+        product of prompts)."""
+        return self.prompts[0] + self.generated[i]
+
+    def wanted(self, particles: Sequence[int]) -> list[Tokens]:
+        """The contexts whose rows ``particles`` need, factor-major: ``k * len(particles)`` of
+        them (``k`` prompts), to be folded by :func:`fold_rows`."""
+        gen = self.generated
+        return [p + gen[i] for p in self.prompts for i in particles]
 
     def apply(self, decision: Any, particles: Sequence[int]) -> bool:
         """Apply ``decision`` (made for ``particles``, the live ones) and return its ``stop``.
@@ -269,19 +288,36 @@ class ParticleSet:
         return stop
 
 
+def fold_rows(rows: Any, k: int) -> Any:
+    """``rows`` (``[k * m, V]``, factor-major as :meth:`ParticleSet.wanted` lists them) as
+    ``[m, V]``: the sum over the ``k`` factors, added in factor order in ``rows``' dtype on its
+    device (float32: each runner does exactly these adds, so both give the same bits). ``k = 1``:
+    ``rows`` itself."""
+    if k == 1:
+        return rows
+    m = rows.shape[0] // k
+    out = rows[:m] + rows[m:2 * m]
+    for j in range(2, k):
+        out += rows[j * m:(j + 1) * m]
+    return out
+
+
 async def drive(lm: Any, prompt_ids: Sequence[int], controller: Controller, *, lora_name: str | None = None,
-                start: Sequence[Sequence[int]] | None = None) -> Any:
+                start: Sequence[Sequence[int]] | None = None, prompts: Sequence[Tokens] | None = None) -> Any:
     """Run ``controller`` per token in Python over any :class:`~genlm_vlm.AsyncLM`: each step
     awaits ``lm.batch_next_token_logprobs`` for the live particles and calls ``step`` on the
     caller's thread. This is the reference a burst is compared with; ``lm`` may be a
-    :class:`~genlm_vlm.MockAsyncLM`, a :class:`~genlm_vlm.ReplicaPool` or any wrapper."""
-    ps = ParticleSet(tuple(prompt_ids), n_particles_of(controller), start,
+    :class:`~genlm_vlm.MockAsyncLM`, a :class:`~genlm_vlm.ReplicaPool` or any wrapper.
+    ``prompts`` (checked prompts, ``k >= 2``): a product of prompts (``prompt_ids`` ignored;
+    see the module docstring)."""
+    ps = ParticleSet(tuple(prompt_ids), n_particles_of(controller), start, prompts=prompts,
                      vocab_size=getattr(lm, "vocab_size", None), max_len=getattr(lm, "max_model_len", None))
+    k = len(ps.prompts)
     while True:
         live = ps.live()
         if not live:
             break
-        rows = await lm.batch_next_token_logprobs([ps.prefix(i) for i in live], lora_name=lora_name)
-        if ps.apply(controller.step(rows, live), live):
+        rows = await lm.batch_next_token_logprobs(ps.wanted(live), lora_name=lora_name)
+        if ps.apply(controller.step(fold_rows(rows, k), live), live):
             break
     return controller.result(ps.generated)
