@@ -200,6 +200,13 @@ def _popcounts_device(bits: torch.Tensor) -> np.ndarray:
 CPU_STEP_THREADS: int | None = 1
 
 
+def set_threads(n: int) -> None:
+    """Torch's intra-op thread count (``torch._C.set_num_threads``: vLLM's CPU worker replaces
+    ``torch.set_num_threads`` in the whole process by a no-op that logs a warning once an engine
+    is built; the OpenMP count it sets is the calling thread's)."""
+    torch._C.set_num_threads(int(n))
+
+
 class _Threads:
     """Torch's intra-op thread count of the calling thread set to ``n`` for a block, then back
     (``omp_set_num_threads`` is per thread; other threads keep theirs)."""
@@ -214,11 +221,11 @@ class _Threads:
         if self.n is not None:
             self.before = torch.get_num_threads()
             if self.before != self.n:
-                torch.set_num_threads(self.n)
+                set_threads(self.n)
 
     def __exit__(self, *exc: Any) -> None:
         if self.n is not None and self.before != self.n:
-            torch.set_num_threads(self.before)
+            set_threads(self.before)
 
 
 def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1.0, *,
