@@ -84,3 +84,21 @@ def test_the_cpu_step_runs_on_one_thread_and_restores_the_count(pin, monkeypatch
     monkeypatch.setattr(S, "CPU_STEP_THREADS", 1)
     again = S.to_host(*S.propose(rows.clone(), bits, u, path="dense"))
     assert out[0] == again[0] and out[1].tobytes() == again[1].tobytes()
+
+
+def test_bitmasks_upto_cuts_the_padding_words_and_agrees_with_bitmasks():
+    """What the controller asks for: the words covering the usable columns only, the same bits
+    as :meth:`bitmasks` there; AllOf of a grammar and a TokenMask (full width) agrees too."""
+    from genlm_vlm.smc import AllOf, TokenMask
+
+    vocab, eos = _vocab()
+    width = 4096
+    odd = TokenMask(lambda g: np.arange(width)[None, :].repeat(len(g), 0) % 2 == 1, "odd ids")
+    for c in (Regex("[a-c ]{2,5}"), AllOf(Regex("[a-c ]{2,5}"), odd)):
+        bound = c.bind(vocab, [eos], width)
+        states = [bound.initial(), bound.initial()]
+        bound.advance(states[1], vocab.index(b"a"))
+        wide, cut = bound.bitmasks(states), bound.bitmasks_upto(states, len(vocab))
+        assert tuple(wide.shape) == (2, width // 32) and cut.shape[0] == 2 and 2 <= cut.shape[1] < width // 32
+        assert torch.equal(wide[:, : cut.shape[1]], cut) and not wide[:, cut.shape[1]:].any()
+        assert cut.any()

@@ -215,12 +215,13 @@ class SMCController(Controller):
         first: dict[int, int] = {}
         history = self.history
         index = [first.setdefault(history[i], len(first)) for i in particles]
+        width = self.width
         if len(first) == len(index):
-            return self.constraint.bitmasks([self.states[i] for i in particles])
+            return self.constraint.bitmasks_upto([self.states[i] for i in particles], width)
         reps: dict[int, int] = {}
         for i, k in zip(particles, index, strict=True):
             reps.setdefault(k, i)
-        unique = self.constraint.bitmasks([self.states[reps[k]] for k in range(len(first))])
+        unique = self.constraint.bitmasks_upto([self.states[reps[k]] for k in range(len(first))], width)
         return unique[index]
 
     def _apply(self, i: int, token: int, incr: float) -> int | None:

@@ -64,6 +64,13 @@ class BoundConstraint(ABC):
             raise NotImplementedError(f"{type(self).__name__} must implement bitmasks() or masks()")
         return _pack(np.asarray(self.masks(states), dtype=bool))
 
+    def bitmasks_upto(self, states: Sequence[Any], width: int) -> torch.Tensor:
+        """Like :meth:`bitmasks`, for a caller that reads only the first ``width`` columns:
+        ``int32 [len(states), >= ceil(width/32)]`` (words past those may be cut). Default:
+        :meth:`bitmasks`. The controller calls this; a constraint filled over fewer columns than
+        ``V`` saves allocating and copying the padding's words."""
+        return self.bitmasks(states)
+
     def masks(self, states: Sequence[Any]) -> np.ndarray:
         """Bool ``[len(states), V]`` (numpy): the tokens allowed next in each state. Default:
         :meth:`bitmasks`, unpacked."""
@@ -169,20 +176,24 @@ class _Compiled(BoundConstraint):
         return self._xgr.GrammarMatcher(self._compiled)
 
     def bitmasks(self, states: Sequence[Any]) -> torch.Tensor:
+        return self.bitmasks_upto(states, self.width)
+
+    def bitmasks_upto(self, states: Sequence[Any], width: int) -> torch.Tensor:
         import torch
 
         t0 = time.perf_counter()
         m = len(states)
+        words = min(self._words, max((int(width) + 31) // 32, self._fill_words))
         narrow = torch.zeros((m, self._fill_words), dtype=torch.int32)
         live = [i for i, matcher in enumerate(states) if not matcher.is_terminated()]
         if live:
             self._batch.batch_fill_next_token_bitmask([states[i] for i in live], narrow,
                                                       None if len(live) == m else live)
         narrow &= self._usable_bits
-        if self._fill_words == self._words:
+        if self._fill_words == words:
             bits = narrow
-        else:
-            bits = torch.zeros((m, self._words), dtype=torch.int32)
+        else:  # the padding's words: zero (a fresh [m, ceil(V/32)] buffer costs page faults)
+            bits = torch.zeros((m, words), dtype=torch.int32)
             bits[:, : self._fill_words] = narrow
         self.seconds += time.perf_counter() - t0
         return bits
@@ -389,11 +400,14 @@ class _BoundAll(BoundConstraint):
         return tuple(p.initial() for p in self.parts)
 
     def bitmasks(self, states: Sequence[tuple[Any, ...]]) -> torch.Tensor:
-        out = None
-        for k, part in enumerate(self.parts):
-            bits = part.bitmasks([s[k] for s in states])
-            out = bits.clone() if out is None else out.bitwise_and_(bits)
-        assert out is not None
+        return self.bitmasks_upto(states, self.width)
+
+    def bitmasks_upto(self, states: Sequence[tuple[Any, ...]], width: int) -> torch.Tensor:
+        parts = [part.bitmasks_upto([s[k] for s in states], width) for k, part in enumerate(self.parts)]
+        words = min(p.shape[1] for p in parts)  # every part covers the first ceil(width/32) words
+        out = parts[0][:, :words].clone()
+        for bits in parts[1:]:
+            out.bitwise_and_(bits[:, :words])
         return out
 
     def advance(self, state: tuple[Any, ...], token: int) -> tuple[Any, ...]:
