@@ -98,23 +98,25 @@ def test_the_paths_agree_and_auto_chooses_by_density():
 
 
 @pytest.mark.parametrize("path", ["dense", "gather"])
-def test_thread_count_does_not_change_a_bit(path):
+def test_thread_count_does_not_change_a_bit(path, monkeypatch):
     """On the CPU the step is a function of its inputs: 1 thread and 2 threads give the same
     bytes (rows wide enough that torch splits elementwise work and reductions across threads)."""
     rng = np.random.default_rng(11)
     m, v = 24, 70000
     rows, mask, u = random_case(rng, m, v, v - 100, 0.6 if path == "dense" else 0.02)
     bits = S.pack(torch.from_numpy(mask))
+    monkeypatch.setattr(S, "CPU_STEP_THREADS", None)  # the kernels run with the thread count set here
     before = torch.get_num_threads()
     out = {}
     try:
         for n in (1, 2):
-            torch.set_num_threads(n)
+            S.set_threads(n)  # torch.set_num_threads is a no-op once a vLLM CPU engine was built
+            assert torch.get_num_threads() == n
             for t in (1.0, 0.8):
                 tok, inc = S.to_host(*S.propose(rows.clone(), bits, u, t, width=v - 100, path=path))
                 out[n, t] = (tok, inc.tobytes())
     finally:
-        torch.set_num_threads(before)
+        S.set_threads(before)
     for t in (1.0, 0.8):
         assert out[1, t] == out[2, t]
 
@@ -266,7 +268,8 @@ def test_a_token_mask_may_return_a_bitmask():
     lm.cleanup()
 
 
-def test_a_seeded_run_is_the_same_whatever_the_thread_count_and_never_draws_padding():
+@pytest.mark.parametrize("step_threads", [1, None])
+def test_a_seeded_run_is_the_same_whatever_the_thread_count_and_never_draws_padding(step_threads, monkeypatch):
     """A whole seeded run (MockAsyncLM: its rows do not depend on threads) gives the same bytes
     with 1 and 2 torch threads; a mask that allows every column never draws the padding columns
     (the model's width past its vocabulary), and the stats report the step's costs."""
@@ -275,14 +278,15 @@ def test_a_seeded_run_is_the_same_whatever_the_thread_count_and_never_draws_padd
     byte_vocab = [b""] + [bytes([c]) for c in range(97, 123)] + [b"<eos>"]
     lm = _mock(byte_vocab=byte_vocab, eos_token_id=len(byte_vocab) - 1, vocab_size=64)
     everything = TokenMask(lambda g: np.ones((len(g), 64), dtype=bool), "everything")
+    monkeypatch.setattr(S, "CPU_STEP_THREADS", step_threads)
     before = torch.get_num_threads()
     runs = []
     try:
         for n in (1, 2, 1):
-            torch.set_num_threads(n)
+            S.set_threads(n)
             runs.append(lm.smc_sync([1], everything, 16, 10, seed=9, ess_threshold=0.7))
     finally:
-        torch.set_num_threads(before)
+        S.set_threads(before)
     assert _fingerprint(runs[0]) == _fingerprint(runs[1]) == _fingerprint(runs[2])
     assert all(t < len(byte_vocab) for r in runs for p in r.particles for t in p.token_ids)
     stats = runs[0].stats

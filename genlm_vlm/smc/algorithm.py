@@ -172,6 +172,11 @@ class SMCController(Controller):
         self.states = [constraint.initial()]
         self.states += [constraint.copy(self.states[0]) for _ in range(n_particles - 1)]
         self.tokens: list[list[int]] = [[] for _ in range(n_particles)]
+        #: A number per particle naming its token history: equal numbers, equal histories (and
+        #: so equal states and masks). Kept per step from (parent's number, token), not hashed
+        #: from the whole history.
+        self.history = [0] * n_particles
+        self._next_history: dict[tuple[int, int], int] = {}
         self.log_w = np.zeros(n_particles)
         self.status = ["live"] * n_particles
         self.log_z = 0.0  # from the resampling steps so far
@@ -221,14 +226,16 @@ class SMCController(Controller):
     def _bitmasks(self, particles: Sequence[int]) -> Any:
         """The constraint's bitmasks for ``particles``, filled once per distinct token history
         (resampled copies share theirs: a state is a function of the tokens)."""
-        first: dict[tuple[int, ...], int] = {}
-        index = [first.setdefault(tuple(self.tokens[i]), len(first)) for i in particles]
+        first: dict[int, int] = {}
+        history = self.history
+        index = [first.setdefault(history[i], len(first)) for i in particles]
+        width = self.width
         if len(first) == len(index):
-            return self.constraint.bitmasks([self.states[i] for i in particles])
+            return self.constraint.bitmasks_upto([self.states[i] for i in particles], width)
         reps: dict[int, int] = {}
         for i, k in zip(particles, index, strict=True):
             reps.setdefault(k, i)
-        unique = self.constraint.bitmasks([self.states[reps[k]] for k in range(len(first))])
+        unique = self.constraint.bitmasks_upto([self.states[reps[k]] for k in range(len(first))], width)
         return unique[index]
 
     def _target_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -272,6 +279,8 @@ class SMCController(Controller):
             return None
         self.states[i] = self.constraint.advance(self.states[i], token)
         self.tokens[i].append(token)
+        nxt = self._next_history
+        self.history[i] = nxt.setdefault((self.history[i], token), len(nxt) + 1)
         if len(self.tokens[i]) >= self.max_tokens:
             self.status[i] = "cut"
             return None
@@ -300,6 +309,7 @@ class SMCController(Controller):
             taken.add(p)
         self.states = states
         self.tokens = [list(self.tokens[p]) for p in parents]
+        self.history = [self.history[p] for p in parents]
         self.status = [self.status[p] for p in parents]
         self.log_w = np.zeros(self.n_particles)
         self.resampled_at.append(self.steps)

@@ -65,6 +65,13 @@ class BoundConstraint(ABC):
             raise NotImplementedError(f"{type(self).__name__} must implement bitmasks() or masks()")
         return _pack(np.asarray(self.masks(states), dtype=bool))
 
+    def bitmasks_upto(self, states: Sequence[Any], width: int) -> torch.Tensor:
+        """Like :meth:`bitmasks`, for a caller that reads only the first ``width`` columns:
+        ``int32 [len(states), >= ceil(width/32)]`` (words past those may be cut). Default:
+        :meth:`bitmasks`. The controller calls this; a constraint filled over fewer columns than
+        ``V`` saves allocating and copying the padding's words."""
+        return self.bitmasks(states)
+
     def masks(self, states: Sequence[Any]) -> np.ndarray:
         """Bool ``[len(states), V]`` (numpy): the tokens allowed next in each state. Default:
         :meth:`bitmasks`, unpacked."""
@@ -111,7 +118,8 @@ def _tokenizer_info(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: 
     if not eos_ids:
         raise ConstraintError("the model has no EOS token id: give eos_token_ids= to smc()")
     return xgr.TokenizerInfo(
-        [bytes(b) for b in byte_vocab], xgr.VocabType.RAW, vocab_size=width, stop_token_ids=[int(e) for e in eos_ids]
+        [bytes(b) for b in byte_vocab[:width]], xgr.VocabType.RAW, vocab_size=width,
+        stop_token_ids=[int(e) for e in eos_ids if 0 <= int(e) < width]
     )
 
 
@@ -137,17 +145,25 @@ def usable_width(byte_vocab: Sequence[bytes], eos_ids: Sequence[int]) -> int:
 
 class _Compiled(BoundConstraint):
     """An xgrammar grammar bound to a vocabulary; a state is a ``GrammarMatcher``. Bitmasks of
-    all the states of a step are filled at once (``BatchGrammarMatcher``, xgrammar's threads),
-    then ANDed with the usable tokens in packed form."""
+    all the states of a step are filled at once (``BatchGrammarMatcher``), then ANDed with the
+    usable tokens in packed form.
 
-    def __init__(self, compiled: Any, width: int, what: str, usable: np.ndarray) -> None:
+    The grammar is compiled for the first ``fill_width`` columns only (:func:`fill_width`: the
+    tokens with bytes and the EOS ids), not for the model's ``width``: xgrammar treats every
+    column past the tokenizer as a token of its own, and filling masks over the padding cost 28x
+    more per matcher on a model with 32,768 columns over 2,048 tokens (issue 36). The words past
+    ``fill_width`` stay zero."""
+
+    def __init__(self, compiled: Any, width: int, what: str, usable: np.ndarray, fill: int) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self._compiled = compiled
         self.width = width
+        self._fill = fill
         self._usable = usable
-        self._usable_bits = _pack(usable[None, :])[0]
+        self._fill_words = (fill + 31) // 32
+        self._usable_bits = _pack(usable[None, :fill])[0]
         self._words = (width + 31) // 32
         self._batch = xgr.BatchGrammarMatcher()
         self.seconds = 0.0
@@ -161,16 +177,25 @@ class _Compiled(BoundConstraint):
         return self._xgr.GrammarMatcher(self._compiled)
 
     def bitmasks(self, states: Sequence[Any]) -> torch.Tensor:
+        return self.bitmasks_upto(states, self.width)
+
+    def bitmasks_upto(self, states: Sequence[Any], width: int) -> torch.Tensor:
         import torch
 
         t0 = time.perf_counter()
         m = len(states)
-        bits = torch.zeros((m, self._words), dtype=torch.int32)
+        words = min(self._words, max((int(width) + 31) // 32, self._fill_words))
+        narrow = torch.zeros((m, self._fill_words), dtype=torch.int32)
         live = [i for i, matcher in enumerate(states) if not matcher.is_terminated()]
         if live:
-            self._batch.batch_fill_next_token_bitmask([states[i] for i in live], bits,
+            self._batch.batch_fill_next_token_bitmask([states[i] for i in live], narrow,
                                                       None if len(live) == m else live)
-        bits &= self._usable_bits
+        narrow &= self._usable_bits
+        if self._fill_words == words:
+            bits = narrow
+        else:  # the padding's words: zero (a fresh [m, ceil(V/32)] buffer costs page faults)
+            bits = torch.zeros((m, words), dtype=torch.int32)
+            bits[:, : self._fill_words] = narrow
         self.seconds += time.perf_counter() - t0
         return bits
 
@@ -185,6 +210,13 @@ class _Compiled(BoundConstraint):
         return state.fork()
 
 
+def fill_width(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int) -> int:
+    """Columns a grammar is compiled for: one past the last token with bytes or EOS id below
+    ``width`` (the rest can never be allowed)."""
+    last_eos = max((int(e) for e in eos_ids if 0 <= int(e) < width), default=-1)
+    return max(1, min(width, max(usable_width(byte_vocab[:width], eos_ids), last_eos + 1)))
+
+
 class _Grammarish(Constraint):
     """Shared by the xgrammar constraints: compile once per vocabulary."""
 
@@ -197,10 +229,11 @@ class _Grammarish(Constraint):
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
         import xgrammar as xgr
 
+        fill = fill_width(byte_vocab, eos_ids, width)
         key = ("xgrammar", tuple(eos_ids), width)
         compiler = None if cache is None else cache.get(key)
         if compiler is None:
-            compiler = xgr.GrammarCompiler(_tokenizer_info(byte_vocab, eos_ids, width))
+            compiler = xgr.GrammarCompiler(_tokenizer_info(byte_vocab[:fill], eos_ids, fill))
             if cache is not None:
                 cache[key] = compiler
         try:
@@ -212,7 +245,7 @@ class _Grammarish(Constraint):
             usable = usable_tokens(byte_vocab, eos_ids, width)
             if cache is not None:
                 cache[("usable", *key[1:])] = usable
-        return _Compiled(compiled, width, self.describe(), usable)
+        return _Compiled(compiled, width, self.describe(), usable, fill)
 
 
 class Regex(_Grammarish):
@@ -405,11 +438,14 @@ class _BoundAll(BoundConstraint):
         return tuple(p.initial() for p in self.parts)
 
     def bitmasks(self, states: Sequence[tuple[Any, ...]]) -> torch.Tensor:
-        out = None
-        for k, part in enumerate(self.parts):
-            bits = part.bitmasks([s[k] for s in states])
-            out = bits.clone() if out is None else out.bitwise_and_(bits)
-        assert out is not None
+        return self.bitmasks_upto(states, self.width)
+
+    def bitmasks_upto(self, states: Sequence[tuple[Any, ...]], width: int) -> torch.Tensor:
+        parts = [part.bitmasks_upto([s[k] for s in states], width) for k, part in enumerate(self.parts)]
+        words = min(p.shape[1] for p in parts)  # every part covers the first ceil(width/32) words
+        out = parts[0][:, :words].clone()
+        for bits in parts[1:]:
+            out.bitwise_and_(bits[:, :words])
         return out
 
     def advance(self, state: tuple[Any, ...], token: int) -> tuple[Any, ...]:

@@ -191,6 +191,43 @@ def _popcounts_device(bits: torch.Tensor) -> np.ndarray:
     return v.sum(dim=1).cpu().numpy()
 
 
+#: torch intra-op threads for the step on the CPU (None: whatever the calling thread has). One
+#: by default: the step's tensors are small (a few ms of work), and in a burst it runs on the
+#: engine thread, where vLLM set torch to all the cores for the forward. Measured on this 2-core
+#: machine while other work shared it (issue 36): with 2 threads every op above torch's grain
+#: size waited at an OpenMP barrier for a worker thread that the OS had descheduled, and the
+#: step's wall time in the engine was 2-20x its CPU time. The result does not depend on it.
+CPU_STEP_THREADS: int | None = 1
+
+
+def set_threads(n: int) -> None:
+    """Torch's intra-op thread count (``torch._C.set_num_threads``: vLLM's CPU worker replaces
+    ``torch.set_num_threads`` in the whole process by a no-op that logs a warning once an engine
+    is built; the OpenMP count it sets is the calling thread's)."""
+    torch._C.set_num_threads(int(n))
+
+
+class _Threads:
+    """Torch's intra-op thread count of the calling thread set to ``n`` for a block, then back
+    (``omp_set_num_threads`` is per thread; other threads keep theirs)."""
+
+    __slots__ = ("n", "before")
+
+    def __init__(self, n: int | None) -> None:
+        self.n = n
+        self.before = 0
+
+    def __enter__(self) -> None:
+        if self.n is not None:
+            self.before = torch.get_num_threads()
+            if self.before != self.n:
+                set_threads(self.n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.n is not None and self.before != self.n:
+            set_threads(self.before)
+
+
 def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1.0, *,
             width: int | None = None, counts: Any = None, path: str = "auto",
             kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,11 +265,12 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
     if path == "auto":
         path = choose_path(counts, width, device)
-    if path == "dense":
-        return _dense(rows, b, u, t, width, kernel)
-    if path == "gather":
+    if path not in ("dense", "gather"):
+        raise ValueError(f"path must be 'auto', 'dense' or 'gather', got {path!r}")
+    with _Threads(CPU_STEP_THREADS if device.type == "cpu" else None):
+        if path == "dense":
+            return _dense(rows, b, u, t, width, kernel)
         return _gather(rows, b, u, t, width, counts)
-    raise ValueError(f"path must be 'auto', 'dense' or 'gather', got {path!r}")
 
 
 def choose_path(counts: Any, width: int, device: Any) -> str:
@@ -317,18 +355,28 @@ def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, wi
     return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
 
 
-def _allowed(rows: torch.Tensor, bits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' allowed entries (float ``[K]``, row-major, ascending columns within a row) and
-    their columns (int64 ``[K]``). On the CPU the indices come from numpy (one pass each)."""
-    if rows.device.type == "cpu":
-        m, v = rows.shape
+def _padded(rows: torch.Tensor, bits: torch.Tensor, width: int,
+            counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's allowed entries, left-aligned in ``[m, most allowed]`` (``-inf`` after them),
+    and their columns (0 after them); ascending columns within a row."""
+    m, v = rows.shape
+    n = max(counts)
+    if rows.device.type == "cpu":  # indices from numpy's unpacking, two index ops, no per-row split
         a = np.ascontiguousarray(bits.numpy()).view(np.uint8).reshape(m, -1)
         keep = np.unpackbits(a, axis=1, bitorder="little")[:, :width].view(bool)
         r, col = np.divmod(np.flatnonzero(keep), width)
-        flat = rows.contiguous().view(-1)[torch.from_numpy(r * v + col)]
-        return flat, torch.from_numpy(col)
+        start = np.cumsum(counts) - np.asarray(counts)
+        dest = torch.from_numpy(r * n + (np.arange(r.size) - start[r]))
+        vals = torch.full((m * n,), -math.inf, dtype=rows.dtype)
+        vals[dest] = rows.contiguous().view(-1)[torch.from_numpy(r * v + col)]
+        cols = torch.zeros(m * n, dtype=torch.int64)
+        cols[dest] = torch.from_numpy(col)
+        return vals.view(m, n), cols.view(m, n)
     keep = unpack(bits, width)
-    return rows[:, :width][keep], keep.nonzero()[:, 1]
+    flat, col = rows[:, :width][keep], keep.nonzero()[:, 1]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (pad(list(torch.split(flat, counts)), batch_first=True, padding_value=-math.inf),
+            pad(list(torch.split(col, counts)), batch_first=True, padding_value=0))
 
 
 def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, width: int,
@@ -336,14 +384,11 @@ def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, w
     m = rows.shape[0]
     device = rows.device
     c = [int(k) for k in np.asarray(counts, dtype=np.int64)]
-    flat, col = _allowed(rows, bits, width)  # the allowed entries, row-major, ascending columns in a row
     if max(c, default=0) == 0:  # nothing allowed anywhere: every row dies
-        flat = torch.full((m,), -math.inf, device=device)
-        col = torch.zeros(m, dtype=torch.int64, device=device)
-        c = [1] * m
-    pad = torch.nn.utils.rnn.pad_sequence
-    vals = pad(list(torch.split(flat, c)), batch_first=True, padding_value=-math.inf)  # [m, most allowed]
-    cols = pad(list(torch.split(col, c)), batch_first=True, padding_value=0)
+        vals = torch.full((m, 1), -math.inf, device=device)
+        cols = torch.zeros((m, 1), dtype=torch.int64, device=device)
+    else:
+        vals, cols = _padded(rows, bits, width, c)  # [m, most allowed]
     top = vals.amax(dim=1)
     alive = top > -math.inf
     if t < GREEDY_BELOW:
