@@ -247,7 +247,7 @@ async def test_refusals_name_the_part_and_why(gc, llm):
         (gc.AWRS(llm, gc.BoolCFG.from_lark('start: "é"+').coerce(llm, f=b"".join)), None, "not an ASCII byte"),
         (gc.AWRS(llm, gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)), None, "pass json_schema=True"),
         (gc.AWRS(llm, cond, proper_weights=False), None, r"proper_weights=False\) is not properly weighted"),
-        (gc.direct_token_sampler(llm * llm.spawn()), None, "2 PromptedLLM factors"),
+        (gc.direct_token_sampler(llm * llm.spawn(temperature=0.5)), None, "factor 1 has temperature=0.5"),
     ]
     for sampler, critic, message in cases:
         with pytest.raises(control.UntranslatableError, match=message):

@@ -11,6 +11,12 @@ and weighted by ``log P(EOS)`` (``force_eos=True``); the ``PromptedLLM``'s tempe
 the target (``target_temperature=``); the prompt, the EOS ids and the LoRA are the
 ``PromptedLLM``'s. The result is genlm-control's own ``Sequences``.
 
+A product of ``PromptedLLM``s (``llm1 * llm2 * ...``) targets ``prod_j p(x | prompt_j)`` times
+the conditions, with EOS weighted by ``sum_j log P_j(EOS)``: it runs as
+``lm.smc(None, ..., prompts=[prompt_1, ...], force_eos=True)`` when every factor has the same
+model object, EOS (one token id: the engine sums the factors per id, which equals the product of
+each factor's EOS mass only then), LoRA and temperature 1; anything else is refused, naming why.
+
 Anything that cannot run exactly so is refused with :class:`UntranslatableError` naming the part
 and why, or, with ``fallback=True``, run by genlm-control itself, per token.
 """
@@ -54,11 +60,13 @@ def _is_byte_join(f: Any) -> bool:
 
 
 class Plan:
-    """What :func:`smc` runs: the ``PromptedLLM`` and the constraints of its conditions."""
+    """What :func:`smc` runs: the ``PromptedLLM`` (``llms``: every factor of a product of
+    prompts, ``llm`` the first) and the constraints of its conditions."""
 
-    def __init__(self, llm: Any, constraints: list[Constraint]) -> None:
+    def __init__(self, llm: Any, constraints: list[Constraint], llms: Sequence[Any] | None = None) -> None:
         self.llm = llm
         self.constraints = constraints
+        self.llms = list(llms) if llms else [llm]
 
 
 def _conditions(factors: list[Any], where: str, json_schema: bool) -> tuple[list[Any], list[Any]]:
@@ -124,10 +132,8 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
                 "resampling works on, which the engine's SMC does not do; only Boolean critics are folded into the mask"
             )
         conds += c_conds
-    if len(llms) != 1:
-        raise UntranslatableError(
-            f"the target has {len(llms)} PromptedLLM factors; exactly one is mapped (a product of prompts is not)"
-        )
+    if not llms:
+        raise UntranslatableError("the target has no PromptedLLM factor: there is no language model to run")
     llm = llms[0]
     from ..base import AsyncLM
 
@@ -141,7 +147,45 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
         tau = math.nan
     if not 0.0 < tau < math.inf:
         raise UntranslatableError(f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be > 0")
-    return Plan(llm, conds)
+    if len(llms) > 1:
+        _check_product(llms)
+    return Plan(llm, conds, llms)
+
+
+def _check_product(llms: list[Any]) -> None:
+    """Refuse a product of ``PromptedLLM``s that ``lm.smc(prompts=...)`` does not run exactly:
+    they must share the model object, the EOS token (exactly one id), the LoRA and temperature 1."""
+    first = llms[0]
+    where = f"a product of {len(llms)} PromptedLLMs"
+    for j, other in enumerate(llms[1:], start=1):
+        if other.model is not first.model:
+            raise UntranslatableError(
+                f"{where}: factor {j}'s model is another object than factor 0's; a product of prompts runs "
+                "on one genlm_vlm model (use the same model object for every PromptedLLM)"
+            )
+        if list(other.token_maps.eos_idxs) != list(first.token_maps.eos_idxs):
+            raise UntranslatableError(
+                f"{where}: factor {j}'s EOS ids {list(other.token_maps.eos_idxs)} differ from factor 0's "
+                f"{list(first.token_maps.eos_idxs)}; the product ends every factor at the same EOS"
+            )
+        if other.lora_name != first.lora_name:
+            raise UntranslatableError(
+                f"{where}: factor {j}'s lora_name={other.lora_name!r} differs from factor 0's "
+                f"{first.lora_name!r}; a product of prompts runs every factor under one adapter"
+            )
+    for j, f in enumerate(llms):
+        if f.temperature != 1:
+            raise UntranslatableError(
+                f"{where}: factor {j} has temperature={f.temperature!r}; a product of prompts runs at "
+                "temperature 1 only (lm.smc(prompts=) takes no target_temperature)"
+            )
+    eos = list(first.token_maps.eos_idxs)
+    if len(eos) != 1:
+        raise UntranslatableError(
+            f"{where}: {len(eos)} EOS ids {eos}; the product's EOS weight is the product of each factor's "
+            "summed EOS probability, while the engine sums the factors' product per id: they agree for one "
+            "EOS id only (use one eos_byte_string with one token)"
+        )
 
 
 # ------------------------------------------------------------------------------ constraints
@@ -233,11 +277,14 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
             raise
         return await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic, resampling_method)
     llm = p.llm
+    if len(p.llms) > 1:  # a product of prompts: lm.smc(None, ..., prompts=[...]), temperature 1
+        prompt, extra = None, {"prompts": [list(f.prompt_ids) for f in p.llms]}
+    else:
+        prompt, extra = list(llm.prompt_ids), {"target_temperature": float(llm.temperature)}
     result = await llm.model.smc(
-        list(llm.prompt_ids), constraint_for(p), n_particles, max_tokens, ess_threshold=ess_threshold,
+        prompt, constraint_for(p), n_particles, max_tokens, ess_threshold=ess_threshold,
         resampling=resampling_method, seed=seed, lora_name=llm.lora_name,
-        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, target_temperature=float(llm.temperature),
-        in_engine=in_engine,
+        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, in_engine=in_engine, **extra,
     )
     return to_sequences(llm, result)
 
