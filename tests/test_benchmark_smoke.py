@@ -116,3 +116,38 @@ def test_bench_e2e_quick(tmp_path: pathlib.Path) -> None:
 
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+PRODUCT_SCRIPT = ROOT / "benchmarks" / "bench_product.py"
+
+
+@pytest.mark.slow
+def test_bench_product_quick(tmp_path: pathlib.Path) -> None:
+    """benchmarks/bench_product.py --quick: the product of two prompts run by genlm-control, the
+    bridge and lm.smc(prompts=) alike; one cell, every system timed, the three ratios reported."""
+    pytest.importorskip("genlm.control")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = tmp_path / "product.json"
+    proc = subprocess.run(
+        [sys.executable, str(PRODUCT_SCRIPT), "--quick", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "control/bridge" in proc.stdout and "bridge/native" in proc.stdout
+
+    doc = json.loads(out.read_text())
+    assert doc["quick"] is True and doc["systems"] == ["control", "bridge", "native"]
+    (cell,) = doc["cells"]
+    assert (cell["n"], cell["t"]) == (4, 4)
+    for system in doc["systems"]:
+        s = cell["systems"][system]
+        assert len(s["runs"]) == doc["reps"] and s["median_wall_s"] > 0 and s["steps_per_s"] > 0
+        assert all(r["particle_steps"] > 0 and r["engine_rows"] > 0 for r in s["runs"]), (system, s["runs"])
+    # the bridge runs the product as lm.smc(prompts=, force_eos=True) with the same seed and the
+    # same masks ([a-z ]+ translated from genlm-control's automaton vs Regex): the same run
+    bridge, native = (cell["systems"][s]["runs"] for s in ("bridge", "native"))
+    for a, b in zip(bridge, native, strict=True):
+        assert a["particle_steps"] == b["particle_steps"] and abs(a["log_z"] - b["log_z"]) < 1e-6, (a, b)
+    assert set(cell["ratios"]) == {"control/bridge", "control/native", "bridge/native"}
+    assert all(v > 0 for v in cell["ratios"].values())
