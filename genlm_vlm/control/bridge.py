@@ -257,7 +257,9 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     genlm-control's ``Sequences`` (``.posterior``, ``.decoded_posterior``, ``.log_ml``).
 
     ``sampler``: ``direct_token_sampler(llm)``, ``AWRS(llm, condition)`` or
-    ``eager_token_sampler(llm, condition)``; the conditions (and ``critic``) Boolean:
+    ``eager_token_sampler(llm, condition)``, ``llm`` one ``PromptedLLM`` or a product of them
+    (``llm1 * llm2``: same model object, one EOS id, same LoRA, temperature 1; run with
+    ``prompts=``); the conditions (and ``critic``) Boolean:
     ``BoolFSA``, ``BoolCFG`` (ASCII), products of these, coerced with ``f=b"".join``;
     ``JsonSchema`` with ``json_schema=True`` only (xgrammar's JSON language, see docs/API.md).
     ``seed`` makes the engine run reproducible. Anything else raises
