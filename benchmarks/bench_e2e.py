@@ -27,6 +27,22 @@ one timed run in that cell: ``reps_run``):
 * ``ours``: ``genlm_vlm.AsyncVirtualLM.from_name(path, ENGINE_OPTS)`` under the program, every
   other option at its default (what a user runs: the output cache on, sessions). Before every
   run its output cache is cleared, its idle sessions released and vLLM's prefix cache reset.
+* ``bridge`` (issue 37): the same program with its one changed line, on a genlm_vlm model built
+  exactly as ``ours`` (its own subprocess, same engine options, same preparation before every
+  run)::
+
+      await genlm_vlm.control.smc(AWRS(llm, condition, seed=seed), n_particles=N,
+                                  ess_threshold=0.5, max_tokens=T, seed=seed)
+
+  which runs the same target as one burst in the engine (``lm.smc``). genlm-control's own SMC
+  never runs, so its particle-steps, resamplings and steps come from the run's ``SMCResult.stats``
+  (recorded by wrapping ``genlm_vlm.control.bridge.to_sequences``), and the rows its engine
+  computed (``engine_rows``: ``lm.stats['rows']``'s change; resampled copies share a row, so
+  fewer than the particle-steps) from the engine. The decode worker then gets a second job,
+  ``decode_bridge``: decoding as many tokens as the bridge's engine computed rows (timed in the
+  same rotation): the same number of forward rows. Ratios: ``bridge_over_ours`` = ours_s / bridge_s
+  (the bridge against genlm-control's per-token SMC over the same model and condition),
+  ``bridge_over_decode`` = decode_bridge_s / bridge_s; targets (issue 37) >= 5 and >= 0.95.
 * ``mock``: the program over ``genlm_vlm.MockAsyncLM.from_name(path, logit_scale=0.2 *
   sqrt(hidden))`` (same tokenizer and logit width; pseudo-random rows whose logits spread like
   the random models'; padded columns past the tokenizer pushed 30 nats under the row's maximum,
@@ -78,6 +94,7 @@ on stderr)::
     .venv/bin/python benchmarks/bench_e2e.py                  # both models, N=32 and 128, T=24
     .venv/bin/python benchmarks/bench_e2e.py --quick          # 6-layer, N=8, T=8, 1 rep (~2 min)
     .venv/bin/python benchmarks/bench_e2e.py --models 6-layer --n 32 --reps 5
+    .venv/bin/python benchmarks/bench_e2e.py --models 6-layer --n 32 128 --reps 3 --systems ours bridge decode
 """
 
 from __future__ import annotations
@@ -120,10 +137,14 @@ ENGINE_OPTS: dict[str, Any] = {
 
 #: Benchmark name -> ``genlm_vlm.testing`` model kind.
 MODELS: dict[str, str] = {"6-layer": "llama-2k-mid", "qwen2-0.5b": "qwen2-0.5b-shape"}
-SYSTEMS = ("ours", "mock", "decode", "transformers")
+SYSTEMS = ("ours", "bridge", "mock", "decode", "transformers")
 #: Environment variable the ``ours`` worker reads: "0" builds it with ``forks=False`` (``--forks off``).
 FORKS_ENV = "GENLM_VLM_BENCH_FORKS"
-PROGRAM_SYSTEMS = ("ours", "mock", "transformers")
+PROGRAM_SYSTEMS = ("ours", "bridge", "mock", "transformers")
+#: The decode baseline's second job when ``bridge`` runs: as many tokens as the bridge computed rows.
+DECODE_BRIDGE = "decode_bridge"
+#: Systems on a genlm_vlm engine (built the same way, stats read the same way).
+ENGINE_SYSTEMS = ("ours", "bridge")
 
 PROMPT = '"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps over the lazy dog and'
 PATTERN = r"[a-z ]+"
@@ -132,7 +153,9 @@ ESS_THRESHOLD = 0.5
 
 #: Issue 18's targets: (model, N) -> minimum of each ratio.
 TARGETS: dict[tuple[str, int], dict[str, float]] = {
-    ("6-layer", 32): {"ours_over_decode": 0.75, "ours_vs_transformers": 3.0},
+    ("6-layer", 32): {"ours_over_decode": 0.75, "ours_vs_transformers": 3.0,
+                      # issue 37: genlm-control's program through genlm_vlm.control.smc
+                      "bridge_over_ours": 5.0, "bridge_over_decode": 0.95},
 }
 
 RESULT_TIMEOUT_S = 3600.0
@@ -285,7 +308,7 @@ class ProgramRunner:
         asyncio.set_event_loop(self.loop)
         self.mock_rows_s = 0.0
         t0 = time.perf_counter()
-        if system == "ours":
+        if system in ENGINE_SYSTEMS:
             from genlm_vlm import AsyncVirtualLM
 
             # forks on (the default) unless --forks off (an extra row, never the headline)
@@ -326,7 +349,20 @@ class ProgramRunner:
             raise ValueError(system)
         self.build_s = time.perf_counter() - t0
         self.engine_tid = None
-        if system == "ours":
+        self.bridge_result: Any = None
+        if system == "bridge":
+            import genlm_vlm.control
+            import genlm_vlm.control.bridge as bridge_mod
+
+            self.control = genlm_vlm.control
+            to_sequences = bridge_mod.to_sequences
+
+            def recorded(llm: Any, result: Any) -> Any:  # keep the run's SMCResult (its stats)
+                self.bridge_result = result
+                return to_sequences(llm, result)
+
+            bridge_mod.to_sequences = recorded
+        if system in ENGINE_SYSTEMS:
             try:  # private: the engine thread's id, to split CPU time by thread
                 self.engine_tid = self.lm._driver.call(threading.get_native_id)
             except Exception:  # noqa: BLE001 - layout changed; the split then lacks "engine"
@@ -344,7 +380,7 @@ class ProgramRunner:
             "torch_threads": torch.get_num_threads(),
             "genlm_backend_imported": "genlm.backend" in sys.modules,
         }
-        if self.system == "ours":
+        if self.system in ENGINE_SYSTEMS:
             info["engine_config"] = _engine_config(self.lm.llm)
             try:
                 info["engine_info"] = {k: v for k, v in vars(self.lm.engine_info).items()
@@ -361,7 +397,7 @@ class ProgramRunner:
 
     def _prepare(self, n: int) -> dict[str, Any]:
         notes: dict[str, Any] = {}
-        if self.system == "ours":
+        if self.system in ENGINE_SYSTEMS:
             self.lm.clear_cache()  # rows, and idle sessions
             try:
                 ok = self.lm._driver.call(self.lm.llm.reset_prefix_cache)
@@ -383,10 +419,14 @@ class ProgramRunner:
         condition = self.BoolFSA.from_regex(PATTERN).coerce(llm, f=b"".join)
         TRACE.reset(trace)
         np.random.seed(seed)
-        stats0 = self._ours_stats() if self.system == "ours" else None
+        stats0 = self._ours_stats() if self.system in ENGINE_SYSTEMS else None
         rows0 = self.mock_rows_s
+        self.bridge_result = None
 
         async def program() -> Any:
+            if self.system == "bridge":  # the one changed line
+                return await self.control.smc(self.AWRS(llm, condition, seed=seed), n_particles=n,
+                                              ess_threshold=ESS_THRESHOLD, max_tokens=t, seed=seed)
             return await self.AWRS(llm, condition, seed=seed).smc(
                 n_particles=n, ess_threshold=ESS_THRESHOLD, max_tokens=t)
 
@@ -412,10 +452,24 @@ class ProgramRunner:
             per_step = [len(TRACE.contexts[k]) for k in sorted(TRACE.contexts)]
             out["distinct_contexts_per_step"] = per_step
             out["examples"] = [x.decode("utf-8", "replace") for x in sorted(set(texts))[:3]]
-        if self.system == "ours":
+        if self.system in ENGINE_SYSTEMS:
             after = self._ours_stats()
             out["stats_delta"] = _numeric_delta(after, stats0)
             out["engine_time"] = _numeric_delta(after.get("engine_time", {}), stats0.get("engine_time", {}))
+        if self.system == "bridge":
+            # genlm-control's own SMC never ran: count the engine run's work instead. Particle-steps:
+            # the run's live particles summed over its steps (SMCResult.stats['rows']); engine_rows:
+            # the rows the engine computed for it (lm.stats['rows']: resampled copies share one row).
+            res = self.bridge_result
+            if res is None:
+                raise RuntimeError("genlm_vlm.control.smc did not run in the engine (no SMCResult recorded)")
+            rs = dict(res.stats)
+            out["smc_stats"] = {k: v for k, v in rs.items() if isinstance(v, (int, float))}
+            out["particle_steps"] = rs.get("rows", 0)
+            out["engine_rows"] = out["stats_delta"].get("rows", 0)
+            out["steps"] = rs.get("steps", 0)
+            out["resamples"] = rs.get("resamples", 0)
+            out.pop("distinct_contexts_per_step", None)
         if self.system == "mock":
             out["mock_rows_s"] = self.mock_rows_s - rows0
             out["program_s"] = wall - out["mock_rows_s"]
@@ -423,7 +477,7 @@ class ProgramRunner:
 
     def close(self) -> None:
         cleanup = getattr(self.lm, "cleanup", None)
-        if self.system == "ours" and cleanup is not None:
+        if self.system in ENGINE_SYSTEMS and cleanup is not None:
             cleanup()
         self.loop.close()
 
@@ -641,7 +695,9 @@ def measure_model(name: str, path: str, args: argparse.Namespace, engine_opts: d
             w.run(n=2, t=4, seed=args.seed, tokens=8)
             infos[s]["prime_s"] = round(time.perf_counter() - t0, 2)
         for n in args.n:
-            runs: dict[str, list[dict]] = {s: [] for s in systems}
+            # timed jobs: label -> (worker, tokens); decode_bridge is the decode worker decoding as
+            # many tokens as the bridge computed rows (its own particle-steps, not ours')
+            jobs: dict[str, tuple[str, int]] = {}
             warm: dict[str, dict] = {}
             common = {"n": n, "t": args.t, "seed": args.seed}
             if "ours" in workers:
@@ -650,18 +706,26 @@ def measure_model(name: str, path: str, args: argparse.Namespace, engine_opts: d
             else:
                 tokens = n * args.t
             for s in systems:
+                jobs[s] = (s, tokens)
                 if s != "ours":
                     warm[s] = workers[s].run(**common, tokens=tokens, trace=True)
+            if "bridge" in workers and "decode" in workers:
+                bridge_tokens = warm["bridge"]["engine_rows"]  # the work the bridge's engine did
+                jobs[DECODE_BRIDGE] = ("decode", bridge_tokens)
+                warm[DECODE_BRIDGE] = workers["decode"].run(**common, tokens=bridge_tokens, trace=True)
+            labels = list(jobs)
+            runs: dict[str, list[dict]] = {s: [] for s in labels}
             for rep in range(args.reps):
-                k = rep % len(systems)
-                for s in systems[k:] + systems[:k]:
+                k = rep % len(labels)
+                for s in labels[k:] + labels[:k]:
                     if rep and warm[s]["wall_s"] > args.slow_s:
                         continue  # a slow system gets one timed run (see --slow-s)
-                    res = workers[s].run(**common, tokens=tokens)
+                    worker, job_tokens = jobs[s]
+                    res = workers[worker].run(**common, tokens=job_tokens)
                     runs[s].append(res)
                     print(f"[{name} N={n} rep {rep + 1}/{args.reps}] {s}: {res['wall_s']:.3f}s "
                           f"(cpu/wall {res['cpu_per_wall']:.2f})", file=sys.stderr, flush=True)
-            cells.append(_cell(name, n, args.t, tokens, systems, warm, runs))
+            cells.append(_cell(name, n, args.t, tokens, labels, warm, runs))
     finally:
         for w in workers.values():
             w.close()
@@ -707,6 +771,23 @@ def _cell(name: str, n: int, t: int, tokens: int, systems: Sequence[str], warm: 
         w = warm.get(s)
         if w:
             cell[f"{s}_particle_steps"] = w["particle_steps"]
+    bw = warm.get("bridge")
+    if bw:  # issue 37: genlm-control's program through genlm_vlm.control.smc
+        cell["bridge"] = {
+            "particle_steps": bw["particle_steps"], "engine_rows": bw["engine_rows"], "steps": bw["steps"],
+            "resamples": bw["resamples"],
+            "final_distinct_texts": bw["final_distinct_texts"], "log_ml": bw["log_ml"],
+            "decode_tokens": (warm.get(DECODE_BRIDGE) or {}).get("particle_steps"),
+            "computed_tokens": _median([r["stats_delta"].get("tokens", {}).get("scheduled") for r in runs["bridge"]
+                                        if r.get("stats_delta", {}).get("tokens", {}).get("scheduled") is not None]),
+            "decode_computed_tokens": _median([r["computed_tokens"] for r in runs.get(DECODE_BRIDGE, [])]),
+            "engine_time": {k: _median([r["engine_time"].get(k, 0.0) for r in runs["bridge"]])
+                            for k in (runs["bridge"] or [{}])[0].get("engine_time", {})},
+        }
+    # bridge/ours: genlm-control's per-token SMC over our model (ours) against the bridge;
+    # bridge/decode: vLLM decoding as many tokens as the bridge computed rows, against the bridge
+    cell["bridge_over_ours"] = _ratio(med.get("ours"), med.get("bridge"))
+    cell["bridge_over_decode"] = _ratio(med.get(DECODE_BRIDGE), med.get("bridge"))
     return cell
 
 
@@ -750,6 +831,27 @@ def _table(cells: list[dict]) -> str:
                  "['engine_time']); tokens = particle-steps (one row each); rsmp = resamplings;\ncomputed = "
                  "tokens the engine computed, ours over decode's; forks c/a/r = ours' forks per run that "
                  "copied their parent's tail block / found it block-aligned / re-prefilled it")
+    bridged = [c for c in cells if c.get("bridge")]
+    if bridged:
+        head = (f"{'model':<11} {'N':>4} {'ours s':>8} {'bridge s':>8} {'decode2 s':>9} {'bridge/ours':>11} "
+                f"{'bridge/decode':>13} {'steps o/b':>11} {'rows o/b':>11} {'rsmp o/b':>9} {'texts o/b':>9}")
+        lines += ["", head, "-" * len(head)]
+        for c in bridged:
+            s, b = c["seconds"], c["bridge"]
+            tokens = f"{c['tokens']}/{b['particle_steps']}"
+            rows = f"{_f(c['engine_rows'], 'd')}/{b['engine_rows']}"
+            rsmp = f"{_f(c['resamples'], 'd')}/{_f(b['resamples'], 'd')}"
+            texts = f"{_f(c['final_distinct_texts'], 'd')}/{_f(b['final_distinct_texts'], 'd')}"
+            lines.append(
+                f"{c['model']:<11} {c['n']:>4} {_f(s.get('ours')):>8} {_f(s.get('bridge')):>8} "
+                f"{_f(s.get(DECODE_BRIDGE)):>9} {_f(c['bridge_over_ours'], '.2f') + 'x':>11} "
+                f"{_f(c['bridge_over_decode'], '.2f') + 'x':>13} {tokens:>11} {rows:>11} {rsmp:>9} {texts:>9}"
+            )
+        lines.append("bridge = genlm_vlm.control.smc(AWRS(llm, condition, seed=seed), ...) (one burst in the engine); "
+                     "bridge/ours = ours_s / bridge_s (ours: genlm-control's\nown per-token SMC over the same model); "
+                     "decode2 = vLLM decoding as many tokens as the bridge's engine computed rows; bridge/decode = decode2_s / "
+                     "bridge_s;\nsteps = particle-steps, rows = rows the engine computed (decode2 decodes the "
+                     "bridge's), rsmp = resamplings, texts = distinct final texts: ours / bridge")
     return "\n".join(lines)
 
 
@@ -761,11 +863,12 @@ def _plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
 
     models = list(dict.fromkeys(c["model"] for c in cells))
     fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.2 * len(models)), squeeze=False)
-    colors = {"ours": "tab:blue", "mock": "tab:gray", "decode": "tab:green", "transformers": "tab:red"}
+    colors = {"ours": "tab:blue", "bridge": "tab:purple", "mock": "tab:gray", "decode": "tab:green",
+              DECODE_BRIDGE: "tab:olive", "transformers": "tab:red"}
     for row, model in enumerate(models):
         mc = [c for c in cells if c["model"] == model]
         ax = axes[row][0]
-        systems = [s for s in SYSTEMS if any(c["seconds"].get(s) is not None for c in mc)]
+        systems = [s for s in (*SYSTEMS, DECODE_BRIDGE) if any(c["seconds"].get(s) is not None for c in mc)]
         width = 0.8 / max(1, len(systems))
         for j, s in enumerate(systems):
             xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(mc))]

@@ -74,7 +74,7 @@ def test_bench_async_quick(tmp_path: pathlib.Path) -> None:
 
 
 E2E_SCRIPT = ROOT / "benchmarks" / "bench_e2e.py"
-E2E_SYSTEMS = {"ours", "mock", "decode", "transformers"}
+E2E_SYSTEMS = {"ours", "bridge", "mock", "decode", "transformers"}
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_bench_e2e_quick(tmp_path: pathlib.Path) -> None:
     assert doc["engine_config_differences_ours_vs_decode"] == {"6-layer": {}}
     (cell,) = doc["cells"]
     assert (cell["model"], cell["n"]) == ("6-layer", doc["config"]["n"][0])
-    for system in E2E_SYSTEMS:
+    for system in E2E_SYSTEMS | {"decode_bridge"}:
         assert cell["seconds"][system] > 0, system
         assert len(cell["runs"][system]) == doc["config"]["reps"]
     # decode made exactly as many tokens as ours took particle-steps
@@ -112,7 +112,18 @@ def test_bench_e2e_quick(tmp_path: pathlib.Path) -> None:
     assert cell["ours_over_decode"] > 0 and cell["ours_vs_transformers"] > 0
     assert set(cell["engine_time"]) >= {"step_s", "host_s", "idle_s"}
     assert cell["distinct_contexts_per_step"][-1] > 1  # the particles did not collapse
-    assert {t["metric"] for t in doc["targets"]} == {"ours_over_decode", "ours_vs_transformers"}
+    # the bridge (genlm_vlm.control.smc): its own rows counted, and decode_bridge decoded exactly as many
+    bridge = cell["bridge"]
+    assert bridge["steps"] > 0 and bridge["final_distinct_texts"] >= 1
+    assert 0 < bridge["engine_rows"] <= bridge["particle_steps"] <= doc["config"]["n"][0] * doc["config"]["t"]
+    assert all(r["particle_steps"] == bridge["particle_steps"] for r in cell["runs"]["bridge"])  # seeded
+    assert all(r["engine_rows"] == r["stats_delta"]["rows"] > 0 for r in cell["runs"]["bridge"])
+    assert bridge["decode_tokens"] == bridge["engine_rows"]
+    assert all(r["particle_steps"] == bridge["engine_rows"] for r in cell["runs"]["decode_bridge"])
+    assert cell["bridge_over_ours"] > 0 and cell["bridge_over_decode"] > 0
+    assert "bridge/ours" in proc.stdout and "bridge/decode" in proc.stdout
+    assert {t["metric"] for t in doc["targets"]} == {"ours_over_decode", "ours_vs_transformers",
+                                                    "bridge_over_ours", "bridge_over_decode"}
 
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
