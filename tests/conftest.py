@@ -203,3 +203,24 @@ class ForwardFault:
 
     def __exit__(self, *exc) -> None:
         del self.layer.forward
+
+
+#: vLLM settings that importing genlm-control (through genlm-backend) rewrites in os.environ.
+_VLLM_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+@pytest.fixture(scope="session")
+def gc():
+    """``genlm.control``, imported with the vLLM settings of ``os.environ`` left as they were."""
+    import warnings
+
+    saved = {name: os.environ.get(name) for name in _VLLM_ENV}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import genlm.control
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return genlm.control

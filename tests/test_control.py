@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,29 +28,9 @@ pytestmark = pytest.mark.skipif(
     reason="genlm-control is not installed (pip install 'genlm-vlm[control]')",
 )
 
-_VLLM_ENV = (
-    "VLLM_USE_V2_MODEL_RUNNER",
-    "VLLM_USE_FLASHINFER_SAMPLER",
-    "VLLM_ENABLE_V1_MULTIPROCESSING",
-)
-
 PROMPT = "def main():\n    return"
 LOWER = re.compile(rb"[a-z ]+")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def gc():
-    saved = {name: os.environ.get(name) for name in _VLLM_ENV}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import genlm.control
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    return genlm.control
 
 
 @pytest.fixture(scope="module")

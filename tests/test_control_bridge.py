@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import warnings
 
 import numpy as np
 import pytest
@@ -23,22 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="genlm-control is not installed (pip install 'genlm-vlm[control]')",
 )
 
-_VLLM_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING")
 PROMPT = "def main():\n    return"
-
-
-@pytest.fixture(scope="module")
-def gc():
-    saved = {name: os.environ.get(name) for name in _VLLM_ENV}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import genlm.control
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    return genlm.control
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from test_control_bridge import LANGUAGE, MAX_TOKENS, PROMPT, _pooled, _tv, gc, pytestmark  # noqa: F401
+from test_control_bridge import LANGUAGE, MAX_TOKENS, PROMPT, _pooled, _tv, pytestmark  # noqa: F401
 
 OTHER = "x = 'a"  # the second factor's prompt
 RUNS = 48
@@ -25,7 +25,7 @@ def _prompt(lm, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def pair(gc, llama_lm):  # noqa: F811
+def pair(gc, llama_lm):
     eos = [b"."]
     llm1 = gc.PromptedLLM(llama_lm, prompt_ids=_prompt(llama_lm, PROMPT), eos_byte_strings=eos)
     llm2 = gc.PromptedLLM(llama_lm, prompt_ids=_prompt(llama_lm, OTHER), eos_byte_strings=eos)
@@ -66,7 +66,7 @@ async def _exact_product(llms, lm, constraint) -> tuple[dict[str, float], float]
 
 
 @pytest.mark.parametrize("sampler_kind", ["awrs", "direct+critic"])
-async def test_product_posterior_matches_exact_and_genlm_control(gc, pair, llama_lm, sampler_kind):  # noqa: F811
+async def test_product_posterior_matches_exact_and_genlm_control(gc, pair, llama_lm, sampler_kind):
     from genlm_vlm import control
     from genlm_vlm.control.bridge import Plan, constraint_for
     from genlm_vlm.control.translate import condition_constraint

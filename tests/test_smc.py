@@ -186,16 +186,17 @@ async def test_same_result_whatever_runs_beside(llama_lm):
 
 
 # ------------------------------------------------------------------------------ exactness
-def _enumerate(lm, prompt, constraint):
-    """Every token sequence the constraint allows (ending with EOS), with its exact log
-    probability under the model's rows: {text: probability}, log Z."""
+def _enumerate(lm, prompts, constraint):
+    """Every token sequence the constraint allows (ending with EOS), with its exact weight
+    ``prod_j p(x | prompts[j])`` under the model's rows (one prompt: its probability):
+    ({text: normalised weight}, log Z)."""
     eos = lm.tokenizer.eos_token_id
     bound = constraint.bind(lm._byte_strings, (eos,), lm.vocab_size)
     texts: dict[bytes, float] = {}
     stack = [((), bound.initial(), 0.0)]
     while stack:
         toks, state, lp = stack.pop()
-        row = lm.next_token_logprobs_sync(prompt + list(toks)).double().numpy()
+        row = sum(lm.next_token_logprobs_sync(list(p) + list(toks)).double().numpy() for p in prompts)
         for t in np.flatnonzero(bound.masks([state])[0]):
             if t == eos:
                 text = b"".join(lm._byte_strings[x] for x in toks)
@@ -213,7 +214,7 @@ def _tv(p: dict, q: dict) -> float:
 @pytest.fixture(scope="module")
 def exact(llama_lm):
     prompt = _prompt(llama_lm)
-    post, log_z = _enumerate(llama_lm, prompt, Regex(FINITE))
+    post, log_z = _enumerate(llama_lm, [prompt], Regex(FINITE))
     assert len(post) >= 8
     return prompt, post, log_z
 

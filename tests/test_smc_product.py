@@ -20,6 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_smc import _enumerate, _tv
 
 from genlm_vlm.smc import Decision, Regex, TokenMask
 from genlm_vlm.smc.controller import Controller, ParticleSet, fold_rows
@@ -199,13 +200,15 @@ async def test_each_factor_continues_its_own_session(llama_lm):
     assert out == [[40 + i] + [20 + i] * steps for i in range(n)]
     k = len(prompts)
     ext = k * n * (steps - 1)
-    delta = {key: after["tokens"][key] - before["tokens"][key] for key in ("session", "prefill", "scheduled")}
+    delta = {key: after["tokens"][key] - before["tokens"][key] for key in ("session", "prefill", "cached", "scheduled")}
     # rounds 2..steps: one token per factor per particle, each extending its own session
     assert delta["session"] == ext, delta
     assert after["sessions"]["continued"] - before["sessions"]["continued"] == ext
     # round one: at most the k * n contexts' prefill
     assert delta["prefill"] <= n * sum(len(p) + 1 for p in prompts), delta
-    assert delta["scheduled"] == delta["session"] + delta["prefill"], delta
+    # what vLLM computed: the sessions' tokens and the prefills less their prefix-cache hits (earlier
+    # tests of the session may have left the prompts' blocks in the cache)
+    assert delta["scheduled"] == delta["session"] + delta["prefill"] - delta["cached"], delta
     # the rows are the sums of the factors' rows, as one-prompt awaits give them
     last = [prompts[j] + out[i][:-1] for j in range(k) for i in range(n)]
     single = await lm.batch_next_token_logprobs(last)
@@ -227,30 +230,6 @@ async def test_same_product_result_beside_other_traffic(llama_lm):
 
 
 # ------------------------------------------------------------------------------ exactness
-def _enumerate(lm, prompts, constraint):
-    """Every sequence the constraint allows (ending with EOS) with its product weight
-    ``prod_j p(x | prompts[j])`` from the model's rows: ({text: normalised}, log Z)."""
-    eos = lm.tokenizer.eos_token_id
-    bound = constraint.bind(lm._byte_strings, (eos,), lm.vocab_size)
-    texts: dict[bytes, float] = {}
-    stack = [((), bound.initial(), 0.0)]
-    while stack:
-        toks, state, lp = stack.pop()
-        row = sum(lm.next_token_logprobs_sync(p + list(toks)).double().numpy() for p in prompts)
-        for t in np.flatnonzero(bound.masks([state])[0]):
-            if t == eos:
-                text = b"".join(lm._byte_strings[x] for x in toks)
-                texts[text] = texts.get(text, 0.0) + math.exp(lp + row[t])
-            else:
-                stack.append(((*toks, int(t)), bound.advance(bound.copy(state), int(t)), lp + row[t]))
-    z = sum(texts.values())
-    return {k: v / z for k, v in texts.items()}, math.log(z)
-
-
-def _tv(p: dict, q: dict) -> float:
-    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
-
-
 def _pooled(results) -> dict:
     mean: dict[bytes, float] = {}
     for r in results:
