@@ -405,18 +405,25 @@ async def test_products_of_conditions(gc, llm, llama_lm):
 async def test_bridge_runs_under_the_promptedllms_lora(gc, model_paths, tmp_path_factory):
     """PromptedLLM(lora_name=...) runs under that adapter: each particle's weight is its
     product of masses under the adapter's rows (exact), which differ from the base model's."""
-    import torch
     from conftest import _engine
     from test_lora import LORA_OPTS, _make_adapter
+
+    lm = _engine(model_paths["llama"], LORA_OPTS)  # shared with test_lora, which counts its adapters:
+    lm.add_new_lora(_make_adapter(model_paths["llama"], tmp_path_factory.mktemp("lora") / "bridge", 5), "bridge")
+    try:
+        await _bridge_weights_under_lora(gc, lm)
+    finally:
+        lm.remove_lora("bridge")  # ... so this test leaves none behind
+
+
+async def _bridge_weights_under_lora(gc, lm) -> None:
+    import torch
 
     from genlm_vlm import control
     from genlm_vlm.control.bridge import Plan, constraint_for
     from genlm_vlm.control.translate import condition_constraint
     from genlm_vlm.smc import api
 
-    lm = _engine(model_paths["llama"], LORA_OPTS)
-    if "bridge" not in lm.lora_names:
-        lm.add_new_lora(_make_adapter(model_paths["llama"], tmp_path_factory.mktemp("lora") / "bridge", 5), "bridge")
     tok = lm.tokenizer
     llm = gc.PromptedLLM(lm, prompt_ids=[tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)],
                          lora_name="bridge")
