@@ -133,6 +133,19 @@ def _logsumexp(x: np.ndarray) -> float:
     return top + math.log(float(np.sum(np.exp(x - top))))
 
 
+def posterior_of(particles: Sequence[Particle]) -> dict[bytes, float]:
+    """Normalised weights of the finished particles with a finite weight, summed over identical
+    texts (empty when none)."""
+    posterior: dict[bytes, float] = {}
+    done = [p for p in particles if p.finished and math.isfinite(p.log_weight)]
+    if done:
+        lw = np.array([p.log_weight for p in done])
+        w = np.exp(lw - _logsumexp(lw))
+        for p, wi in zip(done, w, strict=True):
+            posterior[p.text] = posterior.get(p.text, 0.0) + float(wi)
+    return posterior
+
+
 def ancestors(weights: np.ndarray, method: str, rng: np.random.Generator) -> list[int]:
     """``len(weights)`` ancestor indices drawn from normalised ``weights``."""
     n = len(weights)
@@ -325,13 +338,7 @@ class SMCController(Controller):
             particles.append(Particle(list(toks), b"".join(vocab[t] for t in toks), float(self.log_w[i]), status))
         total = _logsumexp(self.log_w)
         log_marginal = self.log_z + total - math.log(self.n_particles) if math.isfinite(total) else -math.inf
-        posterior: dict[bytes, float] = {}
-        done = [p for p in particles if p.finished and math.isfinite(p.log_weight)]
-        if done:
-            lw = np.array([p.log_weight for p in done])
-            w = np.exp(lw - _logsumexp(lw))
-            for p, wi in zip(done, w, strict=True):
-                posterior[p.text] = posterior.get(p.text, 0.0) + float(wi)
+        posterior = posterior_of(particles)
         stats = {
             "steps": self.steps,
             "rows": self.rows,

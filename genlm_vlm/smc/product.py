@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from .algorithm import _logsumexp, posterior_of
+
 Tokens = tuple[int, ...]
 
 
@@ -138,22 +140,8 @@ def apply_critic(result: Any, critic: Any, values: Any) -> Any:
     before, after = _logsumexp(old), _logsumexp(new)
     if math.isfinite(result.log_marginal) and math.isfinite(before):
         result.log_marginal = result.log_marginal + (after - before) if math.isfinite(after) else -math.inf
-    posterior: dict[bytes, float] = {}
-    keep = [p for p in done if math.isfinite(p.log_weight)]
-    if keep:
-        lw = np.array([p.log_weight for p in keep])
-        w = np.exp(lw - _logsumexp(lw))
-        for p, wi in zip(keep, w, strict=True):
-            posterior[p.text] = posterior.get(p.text, 0.0) + float(wi)
-    result.posterior = posterior
+    result.posterior = posterior_of(result.particles)
     return result
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    top = float(np.max(x)) if x.size else -math.inf
-    if not math.isfinite(top):
-        return top
-    return top + math.log(float(np.sum(np.exp(x - top))))
 
 
 async def criticise(result: Any, critic: Any) -> Any:
