@@ -174,7 +174,7 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
     cell["step_ms"] = round(1000 * statistics.median(times), 4)
     cell["step_ms_min"] = round(1000 * min(times), 4)
     cell["mask_kernel"] = ("none (gather path)" if cell["path"] != "dense"
-                           else "torch" if args.kernel == "torch" else step.mask_kernel(device))
+                           else "torch" if args.kernel == "torch" and device.type != "cpu" else step.mask_kernel(device, t))
     why = step.mask_kernel_error(device)
     if why:
         cell["mask_kernel_note"] = why

@@ -18,18 +18,30 @@ Per row, with ``A`` the allowed tokens and ``t`` the temperature:
   ``-1`` and increment ``-inf``: the particle dies.
 
 Columns at or past ``width`` (the tokenizer's real vocabulary; the model's padding columns) are
-never read, written or allowed. The arithmetic after the mask is float64; reductions are a max
-(order-free) and a cumulative sum along each row, so on the CPU the result does not depend on
-``torch.get_num_threads()`` (each row's sum is one sequential scan). On CUDA the same code runs
-with CUDA's kernels: torch does not promise that a floating-point ``cumsum`` there is bitwise
-deterministic, and results agree with the CPU's within float tolerance (benchmarks/gpu/
-controller_check.py measures both).
+never read, written or allowed.
 
 Two paths give the same result up to float round-off, chosen by the masks' density (not by
-``m x V``; :func:`choose_path`): *dense* applies the bitmask to the rows in place (xgrammar's
-``apply_token_bitmask_inplace`` where xgrammar is installed, else an equal torch op) and works over
-the full usable width; *gather* picks each row's allowed entries and works over them (a
-``[m, most allowed]`` buffer).
+``m x V``; :func:`choose_path`): *dense* works over the full usable width; *gather* picks each
+row's allowed entries and works over them (a ``[m, most allowed]`` buffer, float64 after the
+gather). The dense path differs by device:
+
+* on the CPU at sampling temperatures (:func:`step_cpu.dense`) the rows are not written: float32
+  exponentials of the rows shifted by their best usable entry, times the mask as 0/1, summed in
+  float64 per block of :data:`step_cpu.CPU_BLOCK` columns; the draw finds the block, then the column.
+  Increments agree with a float64 computation to about one unit in the last place of the float32
+  rows (the rows carry no more), and tokens agree away from targets that close to a boundary
+  (tests/test_smc_step.py). Masked entries cost no ``-inf`` arithmetic and no branch: on this
+  project's CPU both were slower than the rest of the step together;
+* elsewhere (CUDA; greedy) the bitmask is applied to the rows in place (xgrammar's
+  ``apply_token_bitmask_inplace`` where xgrammar is installed, else an equal torch op), then
+  float64 exponentials and one cumulative sum per row.
+
+Reductions are maxima (order-free), sums over fixed blocks and cumulative sums along rows, so on
+the CPU the result does not depend on ``torch.get_num_threads()``. On CUDA the same code runs
+with CUDA's kernels: torch does not promise that a floating-point ``cumsum`` there is bitwise
+deterministic, and results agree with the CPU's within float tolerance (benchmarks/gpu/
+controller_check.py measures both). The Python reference runs the same function on the same
+device, so engine and reference agree to the bit on either.
 
 This module imports torch and numpy only (xgrammar lazily, for its mask kernel): the GPU check
 (benchmarks/gpu/controller_check.py) runs it without vLLM or transformers installed.
@@ -45,13 +57,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import step_cpu
+
 #: Below this temperature the proposal is the point mass on the best allowed token.
 GREEDY_BELOW = 1e-5
 #: The gather path runs when the densest row allows at most ``width / GATHER_DENSITY`` tokens
 #: (``GATHER_DENSITY_CPU`` on the CPU: measured crossovers near 1/8 of the width on the GPU path's
-#: kernel count, near 0.6 on this project's CPU, m = 32-128, 32,768 columns).
+#: kernel count; near 1/10 on this project's CPU with the multiply-by-mask dense path, m = 32-128,
+#: widths 2,048-151,646, random masks: benchmarks/bench_step.py, docs/BENCHMARKS.md fifth session).
 GATHER_DENSITY = 8
-GATHER_DENSITY_CPU = 2
+GATHER_DENSITY_CPU = 10
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
@@ -120,11 +135,16 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return s
 
 
-def mask_kernel(device: Any) -> str:
-    """Which kernel :func:`propose` uses to apply bitmasks on ``device``: ``"xgrammar"``
-    (``apply_token_bitmask_inplace``) or ``"torch"`` (an equal torch op: xgrammar is not
-    installed, or its kernel failed once on this device type)."""
-    return "torch" if _xgrammar_apply(torch.device(device).type) is None else "xgrammar"
+def mask_kernel(device: Any, temperature: float = 0.0) -> str:
+    """Which kernel the dense path of :func:`propose` uses to apply bitmasks on ``device`` at
+    ``temperature``: ``"multiply"`` (the CPU at sampling temperatures: the mask as 0/1 times the
+    exponentials, the rows untouched), ``"xgrammar"`` (``apply_token_bitmask_inplace``) or
+    ``"torch"`` (an equal torch op: xgrammar is not installed, or its kernel failed once on this
+    device type)."""
+    dev = torch.device(device)
+    if dev.type == "cpu" and temperature >= GREEDY_BELOW:
+        return "multiply"
+    return "torch" if _xgrammar_apply(dev.type) is None else "xgrammar"
 
 
 def mask_kernel_error(device: Any) -> str | None:
@@ -311,19 +331,6 @@ def _cumulative(vals: torch.Tensor, t: float, ztop: torch.Tensor, out: torch.Ten
     return z.exp_().cumsum_(dim=1)
 
 
-#: On the CPU the dense path works through the rows in chunks of about this many float64 entries
-#: (a buffer that stays in cache and is allocated once per thread), not one ``[m, width]`` buffer.
-CPU_CHUNK = 1 << 19
-_workspace = threading.local()
-
-
-def _buffer(n: int) -> torch.Tensor:
-    buf = getattr(_workspace, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _workspace.buf = torch.empty(n, dtype=torch.float64)
-    return buf[:n]
-
-
 def _incr(xj: torch.Tensor, t: float, ztop: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
     if t == 1.0:
         return ztop + torch.log(tot)
@@ -333,6 +340,11 @@ def _incr(xj: torch.Tensor, t: float, ztop: torch.Tensor, tot: torch.Tensor) -> 
 
 def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, width: int,
            kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows.device.type == "cpu" and t >= GREEDY_BELOW:  # no mask kernel: a multiply by the mask
+        j, tot, shift = step_cpu.dense(rows, bits, u, t, width)
+        alive = tot > 0
+        j = torch.where(alive, j, torch.zeros_like(j))
+        return _finish(alive, j, _incr(rows[:, :width].gather(1, j[:, None]).squeeze(1), t, shift, tot))
     x = rows[:, :width]
     apply_bitmask(rows, bits, width, kernel)
     top = x.amax(dim=1)
@@ -341,17 +353,7 @@ def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, wi
         j = x.argmax(dim=1)
         return _finish(alive, j, x.gather(1, j[:, None]).squeeze(1).to(torch.float64))
     ztop = _ztop(top, t, alive)
-    m = x.shape[0]
-    if x.device.type != "cpu":
-        j, tot = _draw(_cumulative(x, t, ztop), u)
-    else:  # row chunks through one cached buffer: no m x width float64 allocation per step
-        step = max(1, CPU_CHUNK // width)
-        j = torch.empty(m, dtype=torch.int64)
-        tot = torch.empty(m, dtype=torch.float64)
-        for r0 in range(0, m, step):
-            r1 = min(m, r0 + step)
-            out = _buffer((r1 - r0) * width).view(r1 - r0, width)
-            j[r0:r1], tot[r0:r1] = _draw(_cumulative(x[r0:r1], t, ztop[r0:r1], out), u[r0:r1])
+    j, tot = _draw(_cumulative(x, t, ztop), u)
     return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
 
 

@@ -1,0 +1,148 @@
+"""The SMC step's dense path on the CPU at sampling temperatures (see genlm_vlm/smc/step.py).
+
+:func:`dense` computes, for ``m`` rows of float32 log-probabilities, the inverse-CDF draw from
+``q(x) ∝ exp(row[x] / t)`` on each row's allowed tokens without writing the rows: float32
+exponentials of the rows shifted by their best usable entry, times the mask as 0/1, float64
+masses per block of :data:`CPU_BLOCK` columns, then the block and the column. Two costs it
+avoids, both measured on this project's CPU (docs/BENCHMARKS.md, fifth session): ``exp`` of
+``-inf`` entries takes a slow path in the vectorised kernel, and ``masked_fill`` branches on every
+entry (random masks: mispredictions); together they were more than half of the old step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+#: On the CPU the dense path works through the rows in chunks of about this many entries (buffers
+#: that stay in cache and are allocated once per thread), not one ``[m, width]`` buffer.
+CPU_CHUNK = 1 << 18
+#: The CPU dense path's draw works in blocks of this many columns: each block's mass (one
+#: vectorised sum), the cumulative mass over blocks, then the cumulative mass inside the one block
+#: the target falls in. A cumulative sum over every column is a sequential scan and cost ~5x a sum.
+CPU_BLOCK = 256
+#: Rows at most this wide skip the blocks: one cumulative sum per row (fewer, larger ops).
+CPU_FLAT_UPTO = 4096
+#: Relative to the row's best usable token, an allowed mass below this is recomputed with the
+#: allowed tokens' own maximum as the shift (float32 ``exp`` would lose those values to underflow).
+CPU_RESHIFT_BELOW = 2.0**-40
+#: The exponentials' dtype. float64 gives float64 increments and cost 1.5x on this CPU.
+CPU_EXP_DTYPE = torch.float32
+_workspace = threading.local()
+
+
+def _buffer(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread scratch buffer of at least ``n`` entries (contents left from earlier use)."""
+    buf = getattr(_workspace, name, None)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_workspace, name, buf)
+    return buf[:n]
+
+
+def _keep(bits: torch.Tensor, r0: int, r1: int, width: int, out: torch.Tensor) -> None:
+    """Rows ``r0:r1`` of the bitmask as 0/1 into ``out[:, :width]`` (numpy's unpacking)."""
+    a = np.ascontiguousarray(bits[r0:r1].numpy()).view(np.uint8).reshape(r1 - r0, -1)
+    out[:, :width].copy_(torch.from_numpy(np.unpackbits(a, axis=1, count=width, bitorder="little")))
+
+
+def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
+          width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draw for ``rows`` (float32 ``[m, V]``, not written) under ``bits`` (int32 bitmasks,
+    cleared past ``width``), uniforms ``u`` (float64 ``[m]``) and temperature ``t > 0``.
+    Returns ``(column int64 [m], total float64 [m], shift float64 [m])``: the row's mass on its
+    allowed tokens is ``total * exp(shift)`` in units of ``exp(x / t)``; ``total == 0``: the row
+    keeps no probability (its column is meaningless).
+
+    Per row chunk, in per-thread buffers: ``e = exp(x / t - s)`` in float32 with ``t s`` the
+    row's best usable log-probability (so ``e <= 1``, no overflow, and no ``-inf`` entries, which
+    take a slow path in the vectorised ``exp``), times the mask as 0/1 (a multiply: a
+    ``masked_fill`` branches on every entry), then the masses per block of :data:`CPU_BLOCK`
+    columns in float64. A row whose allowed mass is below :data:`CPU_RESHIFT_BELOW` is recomputed
+    with the best *allowed* log-probability as ``s``. The draw: the first block whose cumulative
+    mass exceeds ``u`` times the total, then the first column inside it (float64 cumulative sums;
+    a target that rounds past the block's mass takes its last allowed column)."""
+    m = rows.shape[0]
+    x = rows[:, :width]
+    block = width if width <= CPU_FLAT_UPTO else CPU_BLOCK  # narrow rows: one block, one scan
+    nb = -(-width // block)
+    wp = nb * block
+    step = max(1, CPU_CHUNK // wp)
+    shift = x.amax(dim=1).to(torch.float64)
+    shift = torch.where(shift > -math.inf, shift, torch.zeros_like(shift)) / t  # row of -inf: any shift
+    masses = torch.empty(m, nb, dtype=torch.float64)
+    picks = torch.empty(m, block, dtype=torch.float64)
+    j = torch.empty(m, dtype=torch.int64)
+    tot = torch.empty(m, dtype=torch.float64)
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        k = r1 - r0
+        keep = _buffer("keep", k * wp, CPU_EXP_DTYPE).view(k, wp)
+        e = _buffer("e", k * wp, CPU_EXP_DTYPE).view(k, wp)
+        if wp > width:  # the last block's columns past width: no mass (buffers are reused)
+            keep[:, width:].zero_()
+            e[:, width:].zero_()
+        _keep(bits, r0, r1, width, keep)
+        bm = masses[r0:r1]
+        _masses(x[r0:r1], keep, shift[r0:r1], t, e, bm, block)
+        low = bm.sum(dim=1) < CPU_RESHIFT_BELOW
+        if bool(low.any()):  # rare: the allowed tokens' mass would underflow; shift by their own best
+            for i in low.nonzero().flatten().tolist():
+                best = torch.where(keep[i, :width] > 0, x[r0 + i], -math.inf).amax()
+                if best > -math.inf:
+                    shift[r0 + i] = best.double() / t
+                    _masses(x[r0 + i:r0 + i + 1], keep[i:i + 1], shift[r0 + i:r0 + i + 1], t, e[i:i + 1],
+                            bm[i:i + 1], block, clamp=True)
+        if nb == 1:  # narrow rows: one cumulative sum over the row
+            j[r0:r1], tot[r0:r1] = _first_exceeding(torch.cumsum(e, dim=1, dtype=torch.float64), u[r0:r1])
+        else:
+            j[r0:r1], tot[r0:r1] = _draw_blocks(bm, e, u[r0:r1], picks[r0:r1], block)
+    return j, tot, shift
+
+
+def _masses(x: torch.Tensor, keep: torch.Tensor, shift: torch.Tensor, t: float, e: torch.Tensor,
+            out: torch.Tensor, block: int, clamp: bool = False) -> None:
+    """``e[:, :width] = exp(x / t - shift) * keep`` (the exponent clamped to ``<= 0`` first
+    where masked entries may exceed the shift) and ``out`` = float64 mass per block of ``e``."""
+    k, width = x.shape
+    ev = e[:, :width]
+    if t == 1.0:
+        torch.sub(x, shift[:, None].to(ev.dtype), out=ev)
+    else:
+        torch.div(x, t, out=ev)
+        ev.sub_(shift[:, None].to(ev.dtype))
+    if clamp:
+        ev.clamp_(max=0.0)
+    ev.exp_()
+    e.mul_(keep)  # past width both are 0
+    torch.sum(e.view(k, -1, block), dim=2, dtype=torch.float64, out=out)
+
+
+def _first_exceeding(cum: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``cum`` (float64 cumulative masses ``[k, n]``): the first index whose mass
+    exceeds ``u`` times the total, never past the first index that reaches the total (a product
+    that rounds up to the total takes the last index with mass). Returns ``(index, total)``."""
+    tot = cum[:, -1:].contiguous()
+    i = torch.searchsorted(cum, u[:, None] * tot, right=True)
+    return torch.minimum(i, torch.searchsorted(cum, tot, right=False)).squeeze(1), tot.squeeze(1)
+
+
+def _draw_blocks(masses: torch.Tensor, e: torch.Tensor, u: torch.Tensor, picks: torch.Tensor,
+                 block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse CDF in two levels (see :func:`dense`). ``masses``: float64 ``[k, blocks]``;
+    ``e``: ``[k, blocks * block]``. Returns ``(column, total)``: the block by
+    :func:`_first_exceeding` on the blocks' cumulative masses, then the column inside it on the
+    block's cumulative masses offset by the blocks before it."""
+    k = masses.shape[0]
+    cum = masses.cumsum(dim=1)
+    b, tot = _first_exceeding(cum, u)
+    base = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(tot))
+    blocks = e.view(k, -1, block)[torch.arange(k), b]  # [k, block]
+    inner = torch.cumsum(blocks, dim=1, dtype=torch.float64, out=picks).add_(base[:, None])
+    target = (u * tot)[:, None]
+    i = torch.searchsorted(inner, target, right=True)
+    last = torch.searchsorted(inner, inner[:, -1:].contiguous(), right=False)
+    return b * block + torch.minimum(i, last).squeeze(1), tot
