@@ -73,8 +73,8 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     step = max(1, CPU_CHUNK // wp)
     shift = x.amax(dim=1).to(torch.float64)
     shift = torch.where(shift > -math.inf, shift, torch.zeros_like(shift)) / t  # row of -inf: any shift
-    masses = torch.empty(m, nb, dtype=torch.float64)
-    picks = torch.empty(m, block, dtype=torch.float64)
+    masses = _buffer("masses", m * nb, torch.float64).view(m, nb)  # scratch: no fresh pages per step
+    picks = _buffer("picks", m * block, torch.float64).view(m, block)
     j = torch.empty(m, dtype=torch.int64)
     tot = torch.empty(m, dtype=torch.float64)
     for r0 in range(0, m, step):
@@ -97,7 +97,8 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
                     _masses(x[r0 + i:r0 + i + 1], keep[i:i + 1], shift[r0 + i:r0 + i + 1], t, e[i:i + 1],
                             bm[i:i + 1], block, clamp=True)
         if nb == 1:  # narrow rows: one cumulative sum over the row
-            j[r0:r1], tot[r0:r1] = _first_exceeding(torch.cumsum(e, dim=1, dtype=torch.float64), u[r0:r1])
+            cum = torch.cumsum(e, dim=1, dtype=torch.float64, out=_buffer("cum", k * wp, torch.float64).view(k, wp))
+            j[r0:r1], tot[r0:r1] = _first_exceeding(cum, u[r0:r1])
         else:
             j[r0:r1], tot[r0:r1] = _draw_blocks(bm, e, u[r0:r1], picks[r0:r1], block)
     return j, tot, shift
