@@ -276,11 +276,12 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
         counts = popcounts(b) if b.device.type == "cpu" else _popcounts_device(b)
     b = b.to(device)
     u = torch.as_tensor(uniforms if torch.is_tensor(uniforms) else np.asarray(uniforms, dtype=np.float64),
-                        dtype=torch.float64).to(device)
+                        dtype=torch.float64)
     if u.shape != (m,):
         raise ValueError(f"uniforms must hold {m} numbers, got shape {tuple(u.shape)}")
     if m and not bool(((u >= 0) & (u < 1)).all()):  # a target outside the mass could land on a masked token
         raise ValueError("uniforms must be numbers in [0, 1)")
+    u = u.to(device)  # checked where they are (host uniforms: no device sync for the check)
     if m == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
     if path == "auto":
