@@ -29,7 +29,7 @@ gather). The dense path differs by device:
   exponentials of the rows shifted by their best usable entry, times the mask as 0/1, summed in
   float64 per block of :data:`step_cpu.CPU_BLOCK` columns; the draw finds the block, then the column.
   Increments agree with a float64 computation to about one unit in the last place of the float32
-  rows (the rows carry no more), and tokens agree away from targets that close to a boundary
+  rows divided by the temperature (the rows carry no more), and tokens agree away from targets that close to a boundary
   (tests/test_smc_step.py). Masked entries cost no ``-inf`` arithmetic and no branch: on this
   project's CPU both were slower than the rest of the step together;
 * elsewhere (CUDA; greedy) the bitmask is applied to the rows in place (xgrammar's
