@@ -36,7 +36,9 @@ Constraints: ``regex`` (``[a-z ]+``), ``json`` (a two-field object) and ``steady
 so every step has N live, distinct particles; genlm-control is not run there). The table shows
 the live particles per step, the distinct final texts, and the controller's cost per step: masks
 (``mask_ms_per_step``), the rest (``step_ms_per_step``: the proposal on the rows' device and the
-bookkeeping) and its share of the run's wall time.
+bookkeeping), its CPU time per step on the calling thread (``controller_cpu_s``: where it is well
+under the wall time, the step waited for a core: the machine was shared) and its share of the run's
+wall time.
 
     .venv/bin/python benchmarks/bench_smc_engine.py --models 6-layer --n 32 128 --t 24 64
     .venv/bin/python benchmarks/bench_smc_engine.py --quick
@@ -132,6 +134,7 @@ class Bench:
             "tokens": (after["tokens"]["scheduled"] or 0) - (before["tokens"]["scheduled"] or 0),
             "forks_copied": after["forks"]["copied"] - before["forks"]["copied"],
             "controller_ms_per_step": 1e3 * r.stats["controller_s"] / max(1, steps),
+            "controller_cpu_ms_per_step": 1e3 * r.stats["controller_cpu_s"] / max(1, steps),
             "constraint_ms_per_step": 1e3 * r.stats["constraint_s"] / max(1, steps),
             "mask_ms_per_step": r.stats["mask_ms_per_step"], "step_ms_per_step": r.stats["step_ms_per_step"],
             "controller_share": r.stats["controller_s"] / wall, "live_per_step": r.stats["rows"] / max(1, steps),
@@ -233,8 +236,8 @@ def measure(bench: Bench, kind: str, n: int, t: int, reps: int, control_json_max
 def table(cells: list[dict[str, Any]]) -> str:
     lines = ["| model | constraint | N | T | engine steps/s | engine/decode | engine/structured | engine/control | "
              "engine/python | identical | live/step | distinct | forks copied | ctl ms/step | masks ms/step | "
-             "rest ms/step | ctl share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "rest ms/step | ctl CPU ms/step | ctl share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         r, e = c["ratios"], c["systems"].get("engine", {})
 
@@ -246,6 +249,7 @@ def table(cells: list[dict[str, Any]]) -> str:
             f"{f(r.get('engine/structured'))} | {f(r.get('engine/control'))} | {f(r.get('engine/python'))} | {c.get('identical', '-')} | "
             f"{f(e.get('live_per_step'))} | {e.get('distinct_texts', '-')} | {e.get('forks_copied', '-')} | "
             f"{f(e.get('controller_ms_per_step'))} | {f(e.get('mask_ms_per_step'))} | {f(e.get('step_ms_per_step'))} | "
+            f"{f(e.get('controller_cpu_ms_per_step'))} | "
             f"{'-' if share is None else f'{100 * share:.1f} %'} |")
     return "\n".join(lines)
 

@@ -199,6 +199,7 @@ class SMCController(Controller):
         self.died_at: int | None = None
         self.rows = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the calling thread's CPU time in step(): wall minus waiting for a core
         self.mask_seconds = 0.0
         import torch
 
@@ -216,7 +217,7 @@ class SMCController(Controller):
 
         from .step import propose, to_host
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.steps += 1
         m = len(particles)
         self.rows += m
@@ -234,6 +235,7 @@ class SMCController(Controller):
         out = [self._apply(i, tok, inc) for i, tok, inc in zip(particles, tokens, incr, strict=True)]
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
         return Decision(out, parents)
 
     def _bitmasks(self, particles: Sequence[int]) -> Any:
@@ -349,6 +351,7 @@ class SMCController(Controller):
             "died_at": self.died_at,
             "forced_eos": self.forced,
             "controller_s": round(self.seconds, 6),
+            "controller_cpu_s": round(self.cpu_seconds, 6),
             "constraint_s": round(self.constraint.seconds, 6),
             "mask_s": round(self.mask_seconds, 6),
             "mask_ms_per_step": round(1e3 * self.mask_seconds / max(1, self.steps), 4),
