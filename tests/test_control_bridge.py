@@ -257,6 +257,7 @@ async def test_fallback_runs_genlm_controls_own_smc(gc, llm):
 
 async def test_translation_is_kept_and_compiled_once(gc, llm, llama_lm):
     from genlm_vlm import control
+    from genlm_vlm.control import translate
     from genlm_vlm.control.translate import condition_constraint
 
     fsa = gc.BoolFSA.from_regex(r"(yes|no)")
@@ -265,11 +266,72 @@ async def test_translation_is_kept_and_compiled_once(gc, llm, llama_lm):
         seqs = await control.smc(gc.AWRS(llm, cond), 8, 0.5, 6, seed=seed)
         assert set(seqs.decoded_posterior) <= {"yes", "no"}
     translated = condition_constraint(fsa)
-    assert translated is condition_constraint(fsa) and translated.compilations == 1
-    import pickle  # to a replica: without the compiled grammars, which the receiver compiles
+    assert translated is condition_constraint(fsa)
+    import pickle  # to a replica: the text only; the receiver compiles its own
 
     copy = pickle.loads(pickle.dumps(translated))
-    assert copy.ebnf == translated.ebnf and copy._compiled == {} and translated._compiled
+    assert copy.ebnf == translated.ebnf and vars(copy).keys() == vars(translated).keys()
+    assert not any(callable(v) or type(v).__module__.startswith("xgrammar") for v in vars(copy).values())
+    assert translate.content_key(fsa) is not None
+
+
+async def test_an_equal_new_condition_translates_and_compiles_nothing(gc, llama_lm):
+    """bench_e2e's case: the program builds its PromptedLLM and condition again before every run
+    (new objects, equal content). The second run finds the translation by content and the
+    compiled grammar by its text: nothing is translated or compiled again. Counted, not timed."""
+    from genlm_vlm import control
+    from genlm_vlm.control import translate
+
+    tok = llama_lm.tokenizer
+    prompt = [tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)]
+    pattern = r"[a-z]{1,3}@[a-z]{1,3}\.(com|org)"  # not used by another test: a fresh translation
+    lark = 'start: "ab" start | "c"'
+
+    def program(kind: str):
+        llm = gc.PromptedLLM(llama_lm, prompt_ids=prompt, eos_byte_strings=[b"\n"])
+        cond = (gc.BoolFSA.from_regex(pattern) if kind == "fsa" else gc.BoolCFG.from_lark(lark)).coerce(
+            llm, f=b"".join)
+        return gc.AWRS(llm, cond, seed=0)
+
+    for kind in ("fsa", "cfg"):
+        before = translate.cache_counts()
+        first = await control.smc(program(kind), 4, 0.5, 8, seed=1)
+        mid = translate.cache_counts()
+        assert mid["translated"] == before["translated"] + 1 and mid["compiled"] == before["compiled"] + 1
+        second = await control.smc(program(kind), 4, 0.5, 8, seed=1)
+        after = translate.cache_counts()
+        assert after["translated"] == mid["translated"], kind  # found by content: no translation
+        assert after["compiled"] == mid["compiled"], kind  # found by its text: no compilation
+        assert after["translation_hits"] == mid["translation_hits"] + 1
+        assert after["compile_hits"] == mid["compile_hits"] + 1
+        # the same run: same contexts and weights
+        assert list(first.contexts) == list(second.contexts)
+        assert np.array_equal(first.log_weights, second.log_weights)
+    # different content, different key
+    a = translate.content_key(gc.BoolFSA.from_regex(r"[ab]"))
+    assert a == translate.content_key(gc.BoolFSA.from_regex(r"[ab]"))
+    assert a != translate.content_key(gc.BoolFSA.from_regex(r"[ac]"))
+
+
+def test_translation_caches_are_bounded(monkeypatch):
+    from genlm_vlm.control import translate
+
+    class Compiler:
+        def __init__(self):
+            self.calls = 0
+
+        def compile_grammar(self, text):
+            self.calls += 1
+            return ("compiled", text)
+
+    monkeypatch.setattr(translate, "MAX_COMPILED", 3)
+    c = Compiler()
+    for k in range(5):
+        translate.compiled_grammar(c, f"root ::= \"{k}\"\n")
+    translate.compiled_grammar(c, 'root ::= "4"\n')  # kept
+    assert c.calls == 5
+    translate.compiled_grammar(c, 'root ::= "0"\n')  # dropped: compiled again
+    assert c.calls == 6 and len(getattr(c, translate._KEPT)) == 3
 
 
 async def test_json_schema_opt_in(gc, llm):

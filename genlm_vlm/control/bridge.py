@@ -242,8 +242,25 @@ def constraint_for(p: Plan) -> Constraint:
         allowed[list(llm.token_maps.eos_idxs)] = True
         return TokenMask(lambda states: np.repeat(allowed[None, :], len(states), axis=0), "PromptedLLM's vocabulary")
     inner = p.constraints[0] if len(p.constraints) == 1 else AllOf(*p.constraints)
-    empty = [t.token_id for t in llm.vocab if len(t.byte_string) == 0]
+    empty = _empty_ids(llm)
     return _WithEmptyTokens(inner, empty) if empty else inner
+
+
+def _empty_ids(llm: Any) -> list[int]:
+    """Ids of the ``PromptedLLM``'s vocabulary tokens that have no bytes. The model's ids with
+    no bytes are found once per model (kept on it); each run only looks those few up in the
+    ``PromptedLLM``'s own table (``lookup``), instead of scanning its whole vocabulary. (The
+    grammars read every token's bytes from the model too: ``lm._byte_strings``.)"""
+    lm = llm.model
+    model_empty = lm.__dict__.get("_bridge_empty_ids")
+    if model_empty is None:
+        model_empty = lm.__dict__["_bridge_empty_ids"] = [i for i, b in enumerate(lm._byte_strings) if not b]
+    lookup = getattr(llm, "lookup", None)
+    decode = llm.token_maps.decode
+    if lookup is None:  # not a genlm-control Potential's layout: scan
+        return [t.token_id for t in llm.vocab if len(t.byte_string) == 0]
+    eos = set(llm.token_maps.eos_idxs)
+    return [i for i in model_empty if i < len(decode) and i not in eos and decode[i] in lookup]
 
 
 # ------------------------------------------------------------------------------ the run
