@@ -433,6 +433,42 @@ async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
     assert seqs.decoded_posterior and set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
 
 
+def test_empty_tokens_packed_path_equals_the_mask_path(gc):
+    """The controller's path (bitmasks_upto at the usable width: the inner grammar's bitmasks
+    with the empty tokens ORed into live rows, no unpacking) equals masks() on every column it
+    reads: with empty ids past the usable width (padding) and inside it, on live and finished
+    states; a narrower caller gets the full path."""
+    import torch
+
+    from genlm_vlm.control.bridge import _WithEmptyTokens
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.mock import MockAsyncLM
+    from genlm_vlm.smc import api
+    from genlm_vlm.smc.constraints import unpack_bits, usable_width
+
+    lm = MockAsyncLM(vocab_size=300, logit_scale=1.0)  # 258 tokens, 42 padded columns
+    vocab = lm._byte_strings
+    eos = (vocab.index(b"."),)
+    inner = condition_constraint(gc.BoolFSA.from_regex(r"[a-c]{2}"))
+    width = usable_width(vocab, eos)
+    a, b = vocab.index(b"a"), vocab.index(b"b")
+    for empty in ([i for i in range(lm.vocab_size) if not vocab[i]],  # the padding: past the width
+                  [3, 31, 32, 63, 95, 200, 299]):  # inside it too (bit 31 of a word included)
+        bound = api.bind(lm, _WithEmptyTokens(inner, empty), eos)
+        s0, s1, s2 = bound.initial(), bound.initial(), bound.initial()
+        s1 = bound.advance(s1, a)
+        s2 = bound.advance(bound.advance(s2, a), b)
+        s3 = bound.advance(bound.copy(s2), eos[0])  # finished: allows nothing
+        states = [s0, s1, s2, s3, s1]
+        full = np.asarray(bound.masks(states))
+        assert full[:3].any(axis=1).all() and not full[3].any()
+        got = bound.bitmasks_upto(states, width)
+        assert torch.equal(torch.as_tensor(unpack_bits(got, width)), torch.as_tensor(full[:, :width]))
+        narrow = bound.bitmasks_upto(states, width - 40)  # below the reach: the full path
+        assert (unpack_bits(narrow, width - 40) == full[:, : width - 40]).all()
+        assert bound.advance(bound.copy(s1), empty[0]) is not None  # an empty token keeps the state
+
+
 async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
     from genlm_vlm import control
 
