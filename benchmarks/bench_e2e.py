@@ -9,12 +9,20 @@ The program (the same for every system that runs it)::
     np.random.seed(seed)                      # genlm-control resamples with numpy's generator
     await AWRS(llm, condition, seed=seed).smc(n_particles=N, ess_threshold=0.5, max_tokens=T)
 
-with ``PATTERN = "[a-z ]+"`` (lower-case letters and spaces): on these Python-trained tokenizers
-AWRS rejects most of each row's mass, the particles' weights spread, resampling happens a few
+with ``PATTERN = "[a-z ]+"`` (lower-case letters and spaces; condition ``words``, T = 24 by
+default): on these Python-trained tokenizers AWRS rejects most of each row's mass, the particles' weights spread, resampling happens a few
 times per run and the particles keep distinct contexts (the warm-up run records how many
 distinct contexts each step has, the resamplings and the distinct final texts). Timed: building
 ``AWRS`` and its ``smc`` (``PromptedLLM`` and the coerced FSA are rebuilt, untimed, before every
 run, so no run reuses another's program caches).
+
+Condition ``email`` (``--conditions``; issue 37's own cell, from the issue's email + AWRS
+example, ``.smc(N, 0.5, 30)``): ``PATTERN = r"[a-z]{1,8}@[a-z]{1,8}\\.(com|org|net)"``, the
+PromptedLLM's EOS ``b"\\n"``, a prompt listing two addresses one a line (``EMAIL_PROMPT``), T = 30
+by default. The local part and the domain are bounded: with ``[a-z]+`` the models never write the
+``@`` within 30 tokens and every particle of every system dies at the forced EOS (log Z-hat =
+-inf, measured on both models); bounded, AWRS must reject every letter where only ``@`` or ``.``
+may come, as in the issue's prototype. ``--t`` sets T for every condition.
 
 Systems, each in its own fresh subprocess spawned by this script (so genlm-backend, which
 genlm-control imports, never touches the plain vLLM baseline's process), all kept alive for one
@@ -40,7 +48,10 @@ one timed run in that cell: ``reps_run``):
   computed (``engine_rows``: ``lm.stats['rows']``'s change; resampled copies share a row, so
   fewer than the particle-steps) from the engine. The decode worker then gets a second job,
   ``decode_bridge``: decoding as many tokens as the bridge's engine computed rows (timed in the
-  same rotation): the same number of forward rows. Ratios: ``bridge_over_ours`` = ours_s / bridge_s
+  same rotation): the same number of forward rows. And a third, ``decode_steps`` (a diagnostic,
+  in no ratio): N sequences decoding as many tokens each as the bridge ran engine steps, i.e.
+  the bridge's number of forward passes at full width (resampled copies share rows, so the
+  bridge computes fewer rows than N per step but as many steps). Ratios: ``bridge_over_ours`` = ours_s / bridge_s
   (the bridge against genlm-control's per-token SMC over the same model and condition),
   ``bridge_over_decode`` = decode_bridge_s / bridge_s; targets (issue 37) >= 5 and >= 0.95.
 * ``mock``: the program over ``genlm_vlm.MockAsyncLM.from_name(path, logit_scale=0.2 *
@@ -86,7 +97,8 @@ transformers.
 Models (random weights, built locally and cached by ``genlm_vlm.testing.tiny_model_path``):
 ``6-layer`` = kind ``llama-2k-mid`` (Llama, 6 layers, hidden 512, 2,048-token vocabulary) and
 ``qwen2-0.5b`` = kind ``qwen2-0.5b-shape`` (Qwen2-0.5B's shape: 24 layers, hidden 896, 14 heads,
-2 KV heads, MLP 4864, 151,936 logit columns over a 32k tokenizer).
+2 KV heads, MLP 4864, 151,936 logit columns over a 32k tokenizer); ``demo`` = the trained demo
+model shipped in the package (``genlm_vlm.demo_model_path()``: Llama, 2 layers, 1,536 tokens).
 
 Run (writes ``--out`` JSON and a PNG next to it; worker logs go to a temporary directory named
 on stderr)::
@@ -95,6 +107,8 @@ on stderr)::
     .venv/bin/python benchmarks/bench_e2e.py --quick          # 6-layer, N=8, T=8, 1 rep (~2 min)
     .venv/bin/python benchmarks/bench_e2e.py --models 6-layer --n 32 --reps 5
     .venv/bin/python benchmarks/bench_e2e.py --models 6-layer --n 32 128 --reps 3 --systems ours bridge decode
+    .venv/bin/python benchmarks/bench_e2e.py --models demo 6-layer --conditions email --n 32 128 --reps 3 \
+        --systems ours bridge decode                            # issue 37's cell
 """
 
 from __future__ import annotations
@@ -136,27 +150,36 @@ ENGINE_OPTS: dict[str, Any] = {
 }
 
 #: Benchmark name -> ``genlm_vlm.testing`` model kind.
-MODELS: dict[str, str] = {"6-layer": "llama-2k-mid", "qwen2-0.5b": "qwen2-0.5b-shape"}
+MODELS: dict[str, str] = {"6-layer": "llama-2k-mid", "qwen2-0.5b": "qwen2-0.5b-shape", "demo": "demo"}
 SYSTEMS = ("ours", "bridge", "mock", "decode", "transformers")
 #: Environment variable the ``ours`` worker reads: "0" builds it with ``forks=False`` (``--forks off``).
 FORKS_ENV = "GENLM_VLM_BENCH_FORKS"
 PROGRAM_SYSTEMS = ("ours", "bridge", "mock", "transformers")
 #: The decode baseline's second job when ``bridge`` runs: as many tokens as the bridge computed rows.
 DECODE_BRIDGE = "decode_bridge"
+#: Its third (a diagnostic): N sequences times the bridge's engine steps (its forward passes, full width).
+DECODE_STEPS = "decode_steps"
 #: Systems on a genlm_vlm engine (built the same way, stats read the same way).
 ENGINE_SYSTEMS = ("ours", "bridge")
 
 PROMPT = '"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps over the lazy dog and'
 PATTERN = r"[a-z ]+"
 EOS_BYTE_STRINGS = [b"."]
+EMAIL_PROMPT = "alice@example.com\nbob@mail.org\n"
+EMAIL_PATTERN = r"[a-z]{1,8}@[a-z]{1,8}\.(com|org|net)"
+#: Condition name -> (prompt, pattern, the PromptedLLM's eos_byte_strings, default T).
+CONDITIONS: dict[str, tuple[str, str, list[bytes], int]] = {
+    "words": (PROMPT, PATTERN, EOS_BYTE_STRINGS, 24),
+    "email": (EMAIL_PROMPT, EMAIL_PATTERN, [b"\n"], 30),
+}
 ESS_THRESHOLD = 0.5
 
-#: Issue 18's targets: (model, N) -> minimum of each ratio.
-TARGETS: dict[tuple[str, int], dict[str, float]] = {
-    ("6-layer", 32): {"ours_over_decode": 0.75, "ours_vs_transformers": 3.0,
-                      # issue 37: genlm-control's program through genlm_vlm.control.smc
-                      "bridge_over_ours": 5.0, "bridge_over_decode": 0.95},
+#: Targets: (model, condition, N) -> minimum of each ratio (issue 18: ours; issue 37: the bridge,
+#: genlm-control's program through genlm_vlm.control.smc, on every cell that runs it).
+TARGETS: dict[tuple[str, str, int], dict[str, float]] = {
+    ("6-layer", "words", 32): {"ours_over_decode": 0.75, "ours_vs_transformers": 3.0},
 }
+BRIDGE_TARGETS = {"bridge_over_ours": 5.0, "bridge_over_decode": 0.95}
 
 RESULT_TIMEOUT_S = 3600.0
 
@@ -368,7 +391,9 @@ class ProgramRunner:
             except Exception:  # noqa: BLE001 - layout changed; the split then lacks "engine"
                 pass
         tok = self.lm.tokenizer
-        self.prompt_ids = [int(tok.bos_token_id), *tok.encode(PROMPT)]
+        self.prompts = {c: [int(tok.bos_token_id), *tok.encode(v[0], add_special_tokens=False)]
+                        for c, v in CONDITIONS.items()}
+        self.prompt_ids = self.prompts["words"]
 
     # ------------------------------------------------------------------ helpers
     def info(self) -> dict[str, Any]:
@@ -414,9 +439,12 @@ class ProgramRunner:
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
         np = self.np
         n, t, seed, trace = int(cmd["n"]), int(cmd["t"]), int(cmd["seed"]), bool(cmd.get("trace"))
+        name = cmd.get("condition", "words")
+        _, pattern, eos, _ = CONDITIONS[name]
+        prompt_ids = self.prompts[name]
         notes = self._prepare(n)
-        llm = self.PromptedLLM(self.lm, prompt_ids=self.prompt_ids, eos_byte_strings=EOS_BYTE_STRINGS)
-        condition = self.BoolFSA.from_regex(PATTERN).coerce(llm, f=b"".join)
+        llm = self.PromptedLLM(self.lm, prompt_ids=prompt_ids, eos_byte_strings=eos)
+        condition = self.BoolFSA.from_regex(pattern).coerce(llm, f=b"".join)
         TRACE.reset(trace)
         np.random.seed(seed)
         stats0 = self._ours_stats() if self.system in ENGINE_SYSTEMS else None
@@ -435,7 +463,7 @@ class ProgramRunner:
         if self.system == "transformers":
             # genlm-backend keeps KV only for prefixes given to cache_kv (PromptedLLM gives none):
             # the prompt's, as a user would, timed like ours' prefill of it.
-            self.lm.cache_kv(self.prompt_ids)
+            self.lm.cache_kv(prompt_ids)
         seqs = self.loop.run_until_complete(program())
         wall = time.perf_counter() - w0
         cpu = _cpu_seconds() - c0
@@ -502,7 +530,9 @@ class DecodeRunner:
         self.llm = LLM(model=path, **opts)
         self.build_s = time.perf_counter() - t0
         tok = self.llm.get_tokenizer()
-        self.prompt_ids = [int(tok.bos_token_id), *tok.encode(PROMPT, add_special_tokens=False)]
+        self.prompts = {c: [int(tok.bos_token_id), *tok.encode(v[0], add_special_tokens=False)]
+                        for c, v in CONDITIONS.items()}
+        self.prompt_ids = self.prompts["words"]
         self.vocab = len(tok)
 
     def info(self) -> dict[str, Any]:
@@ -519,7 +549,7 @@ class DecodeRunner:
         from vllm.inputs import TokensPrompt
 
         n, tokens, seed = int(cmd["n"]), int(cmd["tokens"]), int(cmd["seed"])
-        base = self.prompt_ids[:-1]
+        base = self.prompts[cmd.get("condition", "words")][:-1]
         if n + 3 > self.vocab:
             raise ValueError(f"N={n} distinct last tokens do not fit a vocabulary of {self.vocab}")
         q, r = divmod(tokens, n)
@@ -661,7 +691,10 @@ class Worker:
 
 
 def build_model(kind: str) -> str:
-    """Build (once; cached) the model of ``kind`` in a subprocess, so this process stays small."""
+    """Build (once; cached) the model of ``kind`` in a subprocess, so this process stays small
+    (``demo``: the model shipped in the package, nothing to build)."""
+    if kind == "demo":
+        return str(ROOT / "genlm_vlm" / "data" / "demo-model")
     code = "from genlm_vlm.testing import tiny_model_path; import sys; print(tiny_model_path(sys.argv[1]))"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -694,42 +727,54 @@ def measure_model(name: str, path: str, args: argparse.Namespace, engine_opts: d
             t0 = time.perf_counter()
             w.run(n=2, t=4, seed=args.seed, tokens=8)
             infos[s]["prime_s"] = round(time.perf_counter() - t0, 2)
-        for n in args.n:
-            # timed jobs: label -> (worker, tokens); decode_bridge is the decode worker decoding as
-            # many tokens as the bridge computed rows (its own particle-steps, not ours')
-            jobs: dict[str, tuple[str, int]] = {}
-            warm: dict[str, dict] = {}
-            common = {"n": n, "t": args.t, "seed": args.seed}
-            if "ours" in workers:
-                warm["ours"] = workers["ours"].run(**common, trace=True)
-                tokens = warm["ours"]["particle_steps"]
-            else:
-                tokens = n * args.t
-            for s in systems:
-                jobs[s] = (s, tokens)
-                if s != "ours":
-                    warm[s] = workers[s].run(**common, tokens=tokens, trace=True)
-            if "bridge" in workers and "decode" in workers:
-                bridge_tokens = warm["bridge"]["engine_rows"]  # the work the bridge's engine did
-                jobs[DECODE_BRIDGE] = ("decode", bridge_tokens)
-                warm[DECODE_BRIDGE] = workers["decode"].run(**common, tokens=bridge_tokens, trace=True)
-            labels = list(jobs)
-            runs: dict[str, list[dict]] = {s: [] for s in labels}
-            for rep in range(args.reps):
-                k = rep % len(labels)
-                for s in labels[k:] + labels[:k]:
-                    if rep and warm[s]["wall_s"] > args.slow_s:
-                        continue  # a slow system gets one timed run (see --slow-s)
-                    worker, job_tokens = jobs[s]
-                    res = workers[worker].run(**common, tokens=job_tokens)
-                    runs[s].append(res)
-                    print(f"[{name} N={n} rep {rep + 1}/{args.reps}] {s}: {res['wall_s']:.3f}s "
-                          f"(cpu/wall {res['cpu_per_wall']:.2f})", file=sys.stderr, flush=True)
-            cells.append(_cell(name, n, args.t, tokens, labels, warm, runs))
+        for cond in args.conditions:
+            t = args.t or CONDITIONS[cond][3]
+            for n in args.n:
+                cells.append(_measure_cell(name, cond, n, t, args, workers, systems))
     finally:
         for w in workers.values():
             w.close()
     return cells, infos
+
+
+def _measure_cell(name: str, cond: str, n: int, t: int, args: argparse.Namespace, workers: dict[str, Worker],
+                  systems: Sequence[str]) -> dict[str, Any]:
+    """One (model, condition, N) cell: a warm-up of every job, then ``args.reps`` timed rounds."""
+    # timed jobs: label -> (worker, tokens); decode_bridge is the decode worker decoding as
+    # many tokens as the bridge computed rows (its own particle-steps, not ours'), decode_steps
+    # N sequences times the bridge's engine steps
+    jobs: dict[str, tuple[str, int]] = {}
+    warm: dict[str, dict] = {}
+    common = {"n": n, "t": t, "seed": args.seed, "condition": cond}
+    if "ours" in workers:
+        warm["ours"] = workers["ours"].run(**common, trace=True)
+        tokens = warm["ours"]["particle_steps"]
+    else:
+        tokens = n * t
+    for s in systems:
+        jobs[s] = (s, tokens)
+        if s != "ours":
+            warm[s] = workers[s].run(**common, tokens=tokens, trace=True)
+    if "bridge" in workers and "decode" in workers:
+        for label, job_tokens in ((DECODE_BRIDGE, warm["bridge"]["engine_rows"]),  # the bridge's rows
+                                  (DECODE_STEPS, n * warm["bridge"]["steps"])):  # its forward passes
+            jobs[label] = ("decode", job_tokens)
+            warm[label] = workers["decode"].run(**common, tokens=job_tokens, trace=True)
+    labels = list(jobs)
+    runs: dict[str, list[dict]] = {s: [] for s in labels}
+    for rep in range(args.reps):
+        k = rep % len(labels)
+        for s in labels[k:] + labels[:k]:
+            if rep and warm[s]["wall_s"] > args.slow_s:
+                continue  # a slow system gets one timed run (see --slow-s)
+            worker, job_tokens = jobs[s]
+            res = workers[worker].run(**common, tokens=job_tokens)
+            runs[s].append(res)
+            print(f"[{name} {cond} N={n} rep {rep + 1}/{args.reps}] {s}: {res['wall_s']:.3f}s "
+                  f"(cpu/wall {res['cpu_per_wall']:.2f})", file=sys.stderr, flush=True)
+    cell = _cell(name, n, t, tokens, labels, warm, runs)
+    cell["condition"] = cond
+    return cell
 
 
 def _cell(name: str, n: int, t: int, tokens: int, systems: Sequence[str], warm: dict[str, dict],
@@ -788,17 +833,20 @@ def _cell(name: str, n: int, t: int, tokens: int, systems: Sequence[str], warm: 
     # bridge/decode: vLLM decoding as many tokens as the bridge computed rows, against the bridge
     cell["bridge_over_ours"] = _ratio(med.get("ours"), med.get("bridge"))
     cell["bridge_over_decode"] = _ratio(med.get(DECODE_BRIDGE), med.get("bridge"))
+    cell["bridge_over_decode_steps"] = _ratio(med.get(DECODE_STEPS), med.get("bridge"))
     return cell
 
 
 def _targets(cells: list[dict]) -> list[dict]:
     out = []
-    for (model, n), mins in TARGETS.items():
-        cell = next((c for c in cells if c["model"] == model and c["n"] == n), None)
+    wanted = [(key, mins) for key, mins in TARGETS.items()]
+    wanted += [((c["model"], c["condition"], c["n"]), BRIDGE_TARGETS) for c in cells if c.get("bridge")]
+    for (model, cond, n), mins in wanted:
+        cell = next((c for c in cells if (c["model"], c["condition"], c["n"]) == (model, cond, n)), None)
         for metric, minimum in mins.items():
             value = None if cell is None else cell.get(metric)
-            out.append({"model": model, "n": n, "metric": metric, "target_min": minimum, "value": value,
-                        "pass": None if value is None else value >= minimum})
+            out.append({"model": model, "condition": cond, "n": n, "metric": metric, "target_min": minimum,
+                        "value": value, "pass": None if value is None else value >= minimum})
     return out
 
 
@@ -807,7 +855,7 @@ def _f(x: float | None, spec: str = ".3f") -> str:
 
 
 def _table(cells: list[dict]) -> str:
-    head = (f"{'model':<11} {'N':>4} {'tokens':>6} {'rsmp':>4} {'ours s':>8} {'mock s':>8} {'(prog)':>7} "
+    head = (f"{'model/cond':<15} {'N':>4} {'tokens':>6} {'rsmp':>4} {'ours s':>8} {'mock s':>8} {'(prog)':>7} "
             f"{'decode s':>8} {'(cold)':>7} {'transf s':>8} {'ours/decode':>11} {'vs transf':>9} {'serial':>6} "
             f"{'cpu/wall':>8} {'computed':>8} {'forks c/a/r':>11}  engine step/host/idle s")
     lines = [head, "-" * len(head)]
@@ -818,7 +866,7 @@ def _table(cells: list[dict]) -> str:
         fk = c.get("forks")
         forks = "/".join(_f(fk.get(k), ".0f") for k in ("copied", "aligned", "reprefilled")) if fk else "-"
         lines.append(
-            f"{c['model']:<11} {c['n']:>4} {c['tokens']:>6} {_f(c['resamples'], 'd'):>4} {_f(s.get('ours')):>8} "
+            f"{c['model'] + '/' + c.get('condition', 'words'):<15} {c['n']:>4} {c['tokens']:>6} {_f(c['resamples'], 'd'):>4} {_f(s.get('ours')):>8} "
             f"{_f(s.get('mock')):>8} {_f(c['mock_program_s']):>7} {_f(s.get('decode')):>8} {_f(c['decode_cold_s']):>7} "
             f"{_f(s.get('transformers')):>8} {_f(c['ours_over_decode'], '.2f') + 'x':>11} "
             f"{_f(c['ours_vs_transformers'], '.1f') + 'x':>9} {_f(c['serial_bound'], '.2f'):>6} "
@@ -833,8 +881,9 @@ def _table(cells: list[dict]) -> str:
                  "copied their parent's tail block / found it block-aligned / re-prefilled it")
     bridged = [c for c in cells if c.get("bridge")]
     if bridged:
-        head = (f"{'model':<11} {'N':>4} {'ours s':>8} {'bridge s':>8} {'decode2 s':>9} {'bridge/ours':>11} "
-                f"{'bridge/decode':>13} {'steps o/b':>11} {'rows o/b':>11} {'rsmp o/b':>9} {'texts o/b':>9}")
+        head = (f"{'model/cond':<15} {'N':>4} {'ours s':>8} {'bridge s':>8} {'decode2 s':>9} {'decode3 s':>9} "
+                f"{'bridge/ours':>11} {'bridge/decode':>13} {'b/decode3':>9} {'steps o/b':>11} {'rows o/b':>11} "
+                f"{'rsmp o/b':>9} {'texts o/b':>9}")
         lines += ["", head, "-" * len(head)]
         for c in bridged:
             s, b = c["seconds"], c["bridge"]
@@ -843,14 +892,16 @@ def _table(cells: list[dict]) -> str:
             rsmp = f"{_f(c['resamples'], 'd')}/{_f(b['resamples'], 'd')}"
             texts = f"{_f(c['final_distinct_texts'], 'd')}/{_f(b['final_distinct_texts'], 'd')}"
             lines.append(
-                f"{c['model']:<11} {c['n']:>4} {_f(s.get('ours')):>8} {_f(s.get('bridge')):>8} "
-                f"{_f(s.get(DECODE_BRIDGE)):>9} {_f(c['bridge_over_ours'], '.2f') + 'x':>11} "
-                f"{_f(c['bridge_over_decode'], '.2f') + 'x':>13} {tokens:>11} {rows:>11} {rsmp:>9} {texts:>9}"
+                f"{c['model'] + '/' + c.get('condition', 'words'):<15} {c['n']:>4} {_f(s.get('ours')):>8} "
+                f"{_f(s.get('bridge')):>8} {_f(s.get(DECODE_BRIDGE)):>9} {_f(s.get(DECODE_STEPS)):>9} "
+                f"{_f(c['bridge_over_ours'], '.2f') + 'x':>11} {_f(c['bridge_over_decode'], '.2f') + 'x':>13} "
+                f"{_f(c.get('bridge_over_decode_steps'), '.2f') + 'x':>9} {tokens:>11} {rows:>11} {rsmp:>9} {texts:>9}"
             )
         lines.append("bridge = genlm_vlm.control.smc(AWRS(llm, condition, seed=seed), ...) (one burst in the engine); "
                      "bridge/ours = ours_s / bridge_s (ours: genlm-control's\nown per-token SMC over the same model); "
                      "decode2 = vLLM decoding as many tokens as the bridge's engine computed rows; bridge/decode = decode2_s / "
-                     "bridge_s;\nsteps = particle-steps, rows = rows the engine computed (decode2 decodes the "
+                     "bridge_s;\ndecode3 = vLLM decoding N sequences x the bridge's engine steps (its forward passes at full width; "
+                     "a diagnostic); b/decode3 = decode3_s / bridge_s;\nsteps = particle-steps, rows = rows the engine computed (decode2 decodes the "
                      "bridge's), rsmp = resamplings, texts = distinct final texts: ours / bridge")
     return "\n".join(lines)
 
@@ -864,11 +915,11 @@ def _plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
     models = list(dict.fromkeys(c["model"] for c in cells))
     fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.2 * len(models)), squeeze=False)
     colors = {"ours": "tab:blue", "bridge": "tab:purple", "mock": "tab:gray", "decode": "tab:green",
-              DECODE_BRIDGE: "tab:olive", "transformers": "tab:red"}
+              DECODE_BRIDGE: "tab:olive", DECODE_STEPS: "tab:cyan", "transformers": "tab:red"}
     for row, model in enumerate(models):
         mc = [c for c in cells if c["model"] == model]
         ax = axes[row][0]
-        systems = [s for s in (*SYSTEMS, DECODE_BRIDGE) if any(c["seconds"].get(s) is not None for c in mc)]
+        systems = [s for s in (*SYSTEMS, DECODE_BRIDGE, DECODE_STEPS) if any(c["seconds"].get(s) is not None for c in mc)]
         width = 0.8 / max(1, len(systems))
         for j, s in enumerate(systems):
             xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(mc))]
@@ -876,11 +927,11 @@ def _plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
             bars = ax.bar(xs, ys, width, label=s, color=colors[s])
             ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
         ax.set_xticks(range(len(mc)))
-        ax.set_xticklabels([f"N={c['n']}\nours/decode {_f(c['ours_over_decode'], '.2f')}x, "
+        ax.set_xticklabels([f"{c.get('condition', 'words')} N={c['n']}\nours/decode {_f(c['ours_over_decode'], '.2f')}x, "
                             f"vs transf {_f(c['ours_vs_transformers'], '.1f')}x" for c in mc], fontsize=8)
         ax.set_ylabel("seconds (median)")
         ax.set_yscale("log")
-        ax.set_title(f"{model}: genlm-control SMC, {mc[0]['t']} tokens")
+        ax.set_title(f"{model}: genlm-control SMC, T = {', '.join(str(t) for t in dict.fromkeys(c['t'] for c in mc))}")
         ax.legend(fontsize=8)
         ax = axes[row][1]
         parts = (("step_s", "engine step", "tab:blue"), ("host_s", "genlm_vlm host", "tab:orange"),
@@ -897,7 +948,7 @@ def _plot(cells: list[dict], path: pathlib.Path, title: str) -> None:
             ax.scatter(range(len(mc)), [d or 0.0 for d in dec], marker="_", s=900, color="tab:green",
                        label="decode wall", zorder=3)
         ax.set_xticks(range(len(mc)))
-        ax.set_xticklabels([f"N={c['n']}\ncpu/wall {_f(c['cpu_per_wall'].get('ours'), '.2f')}" for c in mc],
+        ax.set_xticklabels([f"{c.get('condition', 'words')} N={c['n']}\ncpu/wall {_f(c['cpu_per_wall'].get('ours'), '.2f')}" for c in mc],
                            fontsize=8)
         ax.set_ylabel("seconds")
         ax.set_title(f"{model}: ours' engine thread")
@@ -931,7 +982,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: all")
     p.add_argument("--n", nargs="+", type=int, default=None, help="particles (default 32 128)")
-    p.add_argument("--t", type=int, default=None, help="max_tokens of the SMC (default 24)")
+    p.add_argument("--t", type=int, default=None, help="max_tokens of the SMC (default: the condition's, words 24, email 30)")
+    p.add_argument("--conditions", nargs="+", choices=list(CONDITIONS), default=["words"],
+                   help="the program's condition: words ([a-z ]+, the default) and/or email (issue 37's cell)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions after one warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slow-s", type=float, default=90.0,
@@ -951,9 +1004,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     quick = args.quick
     args.models = args.models or (["6-layer"] if quick else list(MODELS))
     args.n = args.n or ([8] if quick else [32, 128])
-    args.t = args.t or (8 if quick else 24)
+    args.t = args.t or (8 if quick else None)
     args.reps = args.reps or (1 if quick else 3)
-    if min(args.n) < 1 or args.t < 2 or args.reps < 1:
+    if min(args.n) < 1 or (args.t is not None and args.t < 2) or args.reps < 1:
         p.error("need N >= 1, T >= 2, reps >= 1")
     return args
 
@@ -969,8 +1022,9 @@ def _document(args: argparse.Namespace, engine_opts: dict[str, Any], infos: dict
         "config": {
             "models": {m: MODELS[m] for m in args.models}, "n": args.n, "t": args.t, "reps": args.reps,
             "seed": args.seed, "slow_s": args.slow_s, "systems": [s for s in SYSTEMS if s in args.systems],
-            "quick": args.quick, "engine_opts": engine_opts, "prompt": PROMPT, "pattern": PATTERN,
-            "eos_byte_strings": [b.decode() for b in EOS_BYTE_STRINGS], "ess_threshold": ESS_THRESHOLD,
+            "quick": args.quick, "engine_opts": engine_opts, "ess_threshold": ESS_THRESHOLD,
+            "conditions": {c: {"prompt": v[0], "pattern": v[1], "eos_byte_strings": [b.decode() for b in v[2]],
+                               "t": args.t or v[3]} for c, v in CONDITIONS.items() if c in args.conditions},
         },
         "environment": {
             "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
@@ -1008,13 +1062,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     uptime_end = doc["environment"]["uptime_end"]
     table, targets, fairness = doc["table"], doc["targets"], doc["engine_config_differences_ours_vs_decode"]
     png = out.with_suffix(".png")
-    _plot(cells, png, f"genlm_vlm bench_e2e: PromptedLLM + BoolFSA {PATTERN!r} + AWRS SMC, "
+    patterns = ", ".join(repr(CONDITIONS[c][1]) for c in args.conditions)
+    _plot(cells, png, f"genlm_vlm bench_e2e: PromptedLLM + BoolFSA {patterns} + AWRS SMC, "
                       f"median of {args.reps} (uptime at start: {uptime_start.split('load average:')[-1].strip()})")
     print()
     print(table)
     for t in targets:
         verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "below target")
-        print(f"target {t['model']} N={t['n']} {t['metric']} >= {t['target_min']}: {_f(t['value'], '.2f')} {verdict}")
+        print(f"target {t['model']} {t['condition']} N={t['n']} {t['metric']} >= {t['target_min']}: {_f(t['value'], '.2f')} {verdict}")
     for name, diff in fairness.items():
         print(f"{name}: engine configuration ours vs decode: {'identical' if not diff else diff}")
     print(f"uptime start: {uptime_start}\nuptime end:   {uptime_end}")

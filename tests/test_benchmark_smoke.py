@@ -120,6 +120,9 @@ def test_bench_e2e_quick(tmp_path: pathlib.Path) -> None:
     assert all(r["engine_rows"] == r["stats_delta"]["rows"] > 0 for r in cell["runs"]["bridge"])
     assert bridge["decode_tokens"] == bridge["engine_rows"]
     assert all(r["particle_steps"] == bridge["engine_rows"] for r in cell["runs"]["decode_bridge"])
+    # decode_steps (a diagnostic): N sequences x the bridge's engine steps
+    assert all(r["particle_steps"] == cell["n"] * bridge["steps"] for r in cell["runs"]["decode_steps"])
+    assert cell["condition"] == "words" and cell["bridge_over_decode_steps"] > 0
     assert cell["bridge_over_ours"] > 0 and cell["bridge_over_decode"] > 0
     assert "bridge/ours" in proc.stdout and "bridge/decode" in proc.stdout
     assert {t["metric"] for t in doc["targets"]} == {"ours_over_decode", "ours_vs_transformers",

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..smc.constraints import AllOf, BoundConstraint, Constraint, TokenMask
+from ..smc.constraints import AllOf, BoundConstraint, Constraint, TokenMask, usable_width
 from .translate import UntranslatableError, condition_constraint, is_json_schema
 
 __all__ = ["Plan", "plan", "smc"]
@@ -191,7 +191,9 @@ def _check_product(llms: list[Any]) -> None:
 # ------------------------------------------------------------------------------ constraints
 class _WithEmptyTokens(Constraint):
     """``inner``, plus tokens with no bytes wherever the text so far can still be completed
-    (a byte condition coerced with ``b''.join`` allows them there: they add no bytes)."""
+    (a byte condition coerced with ``b''.join`` allows them there: they add no bytes).
+    ``inner`` is one of the bridge's xgrammar constraints, which allow only tokens with bytes and
+    the EOS ids (:func:`~genlm_vlm.smc.constraints.usable_width` bounds them)."""
 
     def __init__(self, inner: Constraint, empty_ids: Sequence[int]) -> None:
         self.inner = inner
@@ -199,17 +201,29 @@ class _WithEmptyTokens(Constraint):
 
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
-        return _BoundWithEmpty(self.inner.bind(byte_vocab, eos_ids, width, cache), self.empty_ids)
+        key = ("usable_width", tuple(int(e) for e in eos_ids), width)
+        reach = None if cache is None else cache.get(key)
+        if reach is None:  # a scan back over the padding: once per model
+            reach = min(width, usable_width(byte_vocab[:width], eos_ids))
+            if cache is not None:
+                cache[key] = reach
+        return _BoundWithEmpty(self.inner.bind(byte_vocab, eos_ids, width, cache), self.empty_ids, reach)
 
     def describe(self) -> str:
         return f"{self.inner.describe()} (tokens with no bytes allowed)"
 
 
 class _BoundWithEmpty(BoundConstraint):
-    def __init__(self, inner: BoundConstraint, empty_ids: list[int]) -> None:
+    """``inner``'s masks with the empty tokens added to every row that allows something.
+    ``reach``: one past the last column ``inner`` can allow."""
+
+    def __init__(self, inner: BoundConstraint, empty_ids: list[int], reach: int) -> None:
         self.inner = inner
         self.empty = np.array(empty_ids, dtype=np.int64)
-        self.empty_set = frozenset(empty_ids)
+        self.is_empty = np.zeros(int(self.empty.max()) + 1 if self.empty.size else 0, dtype=bool)
+        self.is_empty[self.empty] = True
+        self.reach = reach
+        self._extra: dict[tuple[int, int], Any] = {}
 
     @property
     def seconds(self) -> float:  # type: ignore[override]
@@ -224,8 +238,43 @@ class _BoundWithEmpty(BoundConstraint):
         m[np.ix_(live, self.empty)] = True
         return m
 
+    def bitmasks_upto(self, states: Sequence[Any], width: int) -> Any:
+        """:meth:`masks` packed, for a caller reading the first ``width`` columns (the SMC
+        controller: the usable width), without unpacking: ``inner``'s bitmasks, with the empty
+        tokens below ``width`` ORed into the rows that allow something. Every column ``inner``
+        can allow lies below ``reach``, so when ``width >= reach`` those rows are the rows
+        :meth:`masks` finds alive; a narrower caller gets the full path."""
+        import torch
+
+        if width < self.reach:
+            return BoundConstraint.bitmasks(self, states)
+        bits = self.inner.bitmasks_upto(states, width)
+        extra = self._extra_bits(int(bits.shape[1]), int(width))
+        if extra is None:
+            return bits
+        live = bits.ne(0).any(dim=1, keepdim=True)
+        return torch.where(live, bits | extra, bits)
+
+    def _extra_bits(self, words: int, width: int) -> Any:
+        """``int32 [words]``: the empty tokens below ``width`` as bits (None: there are none)."""
+        import torch
+
+        key = (words, width)
+        if key not in self._extra:
+            ids = self.empty[self.empty < min(width, 32 * words)]
+            if ids.size == 0:
+                self._extra[key] = None
+            else:
+                acc = np.zeros(words, dtype=np.uint32)
+                np.bitwise_or.at(acc, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+                self._extra[key] = torch.from_numpy(acc.view(np.int32))
+        return self._extra[key]
+
     def advance(self, state: Any, token: int) -> Any:
-        return state if int(token) in self.empty_set else self.inner.advance(state, token)
+        t = int(token)
+        if t < self.is_empty.size and self.is_empty[t]:
+            return state
+        return self.inner.advance(state, token)
 
     def copy(self, state: Any) -> Any:
         return self.inner.copy(state)
@@ -242,8 +291,25 @@ def constraint_for(p: Plan) -> Constraint:
         allowed[list(llm.token_maps.eos_idxs)] = True
         return TokenMask(lambda states: np.repeat(allowed[None, :], len(states), axis=0), "PromptedLLM's vocabulary")
     inner = p.constraints[0] if len(p.constraints) == 1 else AllOf(*p.constraints)
-    empty = [t.token_id for t in llm.vocab if len(t.byte_string) == 0]
+    empty = _empty_ids(llm)
     return _WithEmptyTokens(inner, empty) if empty else inner
+
+
+def _empty_ids(llm: Any) -> list[int]:
+    """Ids of the ``PromptedLLM``'s vocabulary tokens that have no bytes. The model's ids with
+    no bytes are found once per model (kept on it); each run only looks those few up in the
+    ``PromptedLLM``'s own table (``lookup``), instead of scanning its whole vocabulary. (The
+    grammars read every token's bytes from the model too: ``lm._byte_strings``.)"""
+    lm = llm.model
+    model_empty = lm.__dict__.get("_bridge_empty_ids")
+    if model_empty is None:
+        model_empty = lm.__dict__["_bridge_empty_ids"] = [i for i, b in enumerate(lm._byte_strings) if not b]
+    lookup = getattr(llm, "lookup", None)
+    decode = llm.token_maps.decode
+    if lookup is None:  # not a genlm-control Potential's layout: scan
+        return [t.token_id for t in llm.vocab if len(t.byte_string) == 0]
+    eos = set(llm.token_maps.eos_idxs)
+    return [i for i in model_empty if i < len(decode) and i not in eos and decode[i] in lookup]
 
 
 # ------------------------------------------------------------------------------ the run

@@ -12,9 +12,13 @@
 * :func:`cfg_ebnf`: a byte-level ``BoolCFG`` (``.cfg``) becomes one EBNF rule per nonterminal,
   for ASCII terminals only (genlm-grammar's byte CFG of a non-ASCII grammar can accept bytes that
   are not UTF-8, which no xgrammar grammar does).
-* :func:`condition_constraint`: one condition as a :class:`~genlm_vlm.smc.Constraint`; the
-  translation is kept on the condition object, and each translated grammar is compiled once per
-  grammar compiler (one per model vocabulary).
+* :func:`condition_constraint`: one condition as a :class:`~genlm_vlm.smc.Constraint`. The
+  translation is kept on the condition object and, by content, across condition objects: an
+  equal ``BoolFSA``/``BoolCFG`` built again (genlm-control's ``from_regex`` keeps no pattern)
+  is recognised by its arcs or rules (:func:`content_key`, far cheaper than translating) and
+  gets the EBNF text translated before. Compiled grammars are kept per grammar compiler (one per
+  model vocabulary and EOS ids), keyed by that text. Both caches are bounded (least recently
+  used dropped first); :func:`cache_counts` counts their hits and misses.
 
 Anything that cannot be translated exactly raises :class:`UntranslatableError` naming the part
 and why.
@@ -22,13 +26,15 @@ and why.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict, defaultdict
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from ..smc.constraints import Grammar, JSONSchema
 
-__all__ = ["UntranslatableError", "cfg_ebnf", "condition_constraint", "fsa_ebnf", "is_json_schema"]
+__all__ = ["UntranslatableError", "cache_counts", "cfg_ebnf", "condition_constraint", "content_key", "fsa_ebnf",
+           "is_json_schema"]
 
 
 class UntranslatableError(ValueError):
@@ -189,31 +195,117 @@ def cfg_ebnf(cfg: Any, what: str = "BoolCFG") -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------ caches
+#: Most translations (EBNF texts by content key) and compiled grammars per compiler kept.
+MAX_TRANSLATIONS = 256
+MAX_COMPILED = 64
+
+_lock = threading.Lock()
+_translations: OrderedDict[Hashable, str] = OrderedDict()
+#: Attribute of a grammar compiler holding its compiled grammars by text.
+_KEPT = "_genlm_vlm_compiled"
+_counts = dict.fromkeys(("translated", "translation_hits", "compiled", "compile_hits"), 0)
+
+
+def cache_counts() -> dict[str, int]:
+    """Counters since import: FSA/CFG translations done (``translated``) and found by content
+    (``translation_hits``); grammars compiled (``compiled``) and found compiled for their
+    compiler (``compile_hits``)."""
+    with _lock:
+        return dict(_counts)
+
+
+def content_key(potential: Any) -> Hashable | None:
+    """What a ``BoolFSA``'s (or ``BoolCFG``'s) language is made of, as a hashable value: its
+    semiring and the states, arcs (rules) and start/final states of non-zero weight, before
+    epsilon removal and trimming. Equal keys, equal languages, equal translations. None when
+    some part is not hashable (then nothing is cached across objects)."""
+    kind = type(potential).__name__
+    try:
+        if kind == "BoolFSA":
+            m = getattr(potential, "wfsa", None)
+            if m is None or not hasattr(m, "arcs"):
+                return None
+            zero = m.R.zero
+            key: Hashable = (
+                kind, m.R,
+                frozenset(q for q, w in m.I if w != zero),
+                frozenset(q for q, w in m.F if w != zero),
+                frozenset((i, a, j) for i in m.states for a, j, w in m.arcs(i) if w != zero),
+            )
+        elif kind == "BoolCFG":
+            cfg = getattr(potential, "cfg", None)
+            if cfg is None:
+                return None
+            zero = cfg.R.zero
+            key = (kind, cfg.R, cfg.S, frozenset((r.head, tuple(r.body)) for r in cfg if r.w != zero))
+        else:
+            return None
+        hash(key)
+    except (TypeError, AttributeError):  # an unhashable state or symbol, another layout
+        return None
+    return key
+
+
+def _translation(potential: Any, key: Hashable | None, translate: Any) -> str:
+    """The EBNF text of ``potential``: the one kept for ``key``, else ``translate(potential)``
+    (kept for ``key``; an :class:`UntranslatableError` is raised each time, never kept)."""
+    if key is not None:
+        with _lock:
+            ebnf = _translations.get(key)
+            if ebnf is not None:
+                _translations.move_to_end(key)
+                _counts["translation_hits"] += 1
+                return ebnf
+    ebnf = translate(potential)
+    with _lock:
+        _counts["translated"] += 1
+        if key is not None:
+            _translations[key] = ebnf
+            while len(_translations) > MAX_TRANSLATIONS:
+                _translations.popitem(last=False)
+    return ebnf
+
+
+def compiled_grammar(compiler: Any, ebnf: str) -> Any:
+    """``compiler.compile_grammar(ebnf)``, kept per compiler by the text, on the compiler
+    itself (made once per model vocabulary, it owns its compiled grammars: they go when it
+    goes; xgrammar's ``GrammarCompiler`` is not hashable, so no weak dictionary can hold them)."""
+    with _lock:
+        kept = getattr(compiler, _KEPT, None)
+        if kept is None:
+            kept = OrderedDict()
+            try:
+                setattr(compiler, _KEPT, kept)
+            except AttributeError:  # a compiler that takes no attributes: nothing kept
+                pass
+        hit = kept.get(ebnf)
+        if hit is not None:
+            kept.move_to_end(ebnf)
+            _counts["compile_hits"] += 1
+            return hit
+    out = compiler.compile_grammar(ebnf)  # outside the lock: compiling can take a while
+    with _lock:
+        _counts["compiled"] += 1
+        kept[ebnf] = out
+        while len(kept) > MAX_COMPILED:
+            kept.popitem(last=False)
+    return out
+
+
 # ------------------------------------------------------------------------------ constraints
 class TranslatedGrammar(Grammar):
-    """A :class:`~genlm_vlm.smc.Grammar` translated from a genlm-control condition, compiled
-    once per grammar compiler (that is, once per model vocabulary and EOS ids)."""
+    """A :class:`~genlm_vlm.smc.Grammar` translated from a genlm-control condition; its
+    compiled grammar is kept per grammar compiler by its text (:func:`compiled_grammar`), so
+    equal translations of different condition objects compile once per model vocabulary. It
+    holds only its text: it pickles (to a replica) as such, and the receiver compiles its own."""
 
     def __init__(self, ebnf: str, source: str) -> None:
         super().__init__(ebnf)
         self.source = source
-        self._compiled: dict[int, tuple[Any, Any]] = {}
-        self.compilations = 0
 
     def _compile(self, compiler: Any) -> Any:
-        hit = self._compiled.get(id(compiler))
-        if hit is not None and hit[0] is compiler:
-            return hit[1]
-        compiled = compiler.compile_grammar(self.ebnf)
-        self.compilations += 1
-        self._compiled[id(compiler)] = (compiler, compiled)
-        return compiled
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (to a replica) without the compiled grammars: the receiver compiles its own."""
-        state = dict(self.__dict__)
-        state["_compiled"] = {}
-        return state
+        return compiled_grammar(compiler, self.ebnf)
 
     def describe(self) -> str:
         return f"translated {self.source}"
@@ -233,15 +325,16 @@ def condition_constraint(potential: Any, *, json_schema: bool = False) -> Any:
     """One byte-level genlm-control condition as a :class:`~genlm_vlm.smc.Constraint`:
     ``BoolFSA`` and ``BoolCFG`` exactly (:class:`TranslatedGrammar`); ``JsonSchema`` only with
     ``json_schema=True``, as :class:`~genlm_vlm.smc.JSONSchema` (xgrammar's JSON language, which
-    differs from genlm-control's: see docs/API.md). The result is kept on ``potential``."""
+    differs from genlm-control's: see docs/API.md). The result is kept on ``potential``; an equal
+    ``BoolFSA``/``BoolCFG`` object reuses the translated text (:func:`content_key`)."""
     kind = type(potential).__name__
     cached = getattr(potential, "__dict__", {}).get(_CACHE)
     if cached is not None and (kind != "Product" or json_schema):
         return cached
     if kind == "BoolFSA":
-        out: Any = TranslatedGrammar(fsa_ebnf(potential), "BoolFSA")
+        out: Any = TranslatedGrammar(_translation(potential, content_key(potential), fsa_ebnf), "BoolFSA")
     elif kind == "BoolCFG":
-        out = TranslatedGrammar(cfg_ebnf(potential), "BoolCFG")
+        out = TranslatedGrammar(_translation(potential, content_key(potential), cfg_ebnf), "BoolCFG")
     elif is_json_schema(potential):
         if not json_schema:
             raise UntranslatableError(
