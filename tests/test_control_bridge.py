@@ -352,9 +352,11 @@ async def test_bridge_tempers_the_target_as_promptedllm_does(gc, many_eos_llm, l
     assert 0.8 < z_ratio < 1.2, z_ratio
 
 
-async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
+async def test_padded_ids_are_refused_and_without_padding_runs(gc):
     """Padded logit columns are tokens with no bytes: genlm-control's coerced condition allows
-    them wherever the text so far can be completed; so do the bridge's masks."""
+    them wherever the text so far can be completed (the translated masks agree), but the engine's
+    SMC never reads those columns: the bridge refuses, naming them and what to do; fallback=True
+    runs genlm-control's own SMC, and without_padding(lm) runs in the bridge."""
     from genlm_vlm import control
     from genlm_vlm.control.translate import condition_constraint
     from genlm_vlm.mock import MockAsyncLM
@@ -365,8 +367,10 @@ async def test_padded_ids_are_allowed_where_genlm_control_allows_them(gc):
     cond = fsa.coerce(llm, f=b"".join)
     contexts, _ = await _walks(llm, cond, condition_constraint(fsa), lm, walks=4, depth=4, seed=0)
     assert contexts >= 4
-    seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
-    assert set(seqs.decoded_posterior) <= {a + b for a in "abc" for b in "abc"}
+    with pytest.raises(control.UntranslatableError, match=r"42 padded logit columns \(ids 258\.\.299.*without_padding"):
+        await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
+    seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, fallback=True)  # genlm-control's own, per token
+    assert len(seqs.contexts) == 16
     # without_padding(lm): a view with no padded ids, run per token in Python (not in an engine)
     view_llm = gc.PromptedLLM(control.without_padding(lm), prompt_ids=[0], eos_byte_strings=[b"."])
     view_cond = fsa.coerce(view_llm, f=b"".join)

@@ -115,3 +115,4 @@ def test_empty_tokens_packed_path_equals_the_mask_path(gc):
         narrow = bound.bitmasks_upto(states, width - 40)  # below the reach: the full path
         assert (unpack_bits(narrow, width - 40) == full[:, : width - 40]).all()
         assert bound.advance(bound.copy(s1), empty[0]) is not None  # an empty token keeps the state
+

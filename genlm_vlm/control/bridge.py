@@ -149,7 +149,30 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
         raise UntranslatableError(f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be > 0")
     if len(llms) > 1:
         _check_product(llms)
+    if conds:
+        _check_padding(llm)
     return Plan(llm, conds, llms)
+
+
+def _check_padding(llm: Any) -> None:
+    """Refuse a ``PromptedLLM`` whose vocabulary holds padded logit columns (ids past the last
+    token with bytes or EOS): genlm-control proposes them as empty tokens wherever the condition
+    can still be completed, and ``lm.smc`` never reads those columns, so the targets would differ
+    by their mass. (Without a condition the bridge's mask keeps the whole vocabulary, padding
+    included: no refusal.)"""
+    lm = llm.model
+    eos = tuple(int(e) for e in llm.token_maps.eos_idxs)
+    reaches = lm.__dict__.setdefault("_bridge_reach", {})  # a scan back over the padding: once per model and EOS
+    if eos not in reaches:
+        reaches[eos] = usable_width(lm._byte_strings, eos)
+    padded = [i for i in _empty_ids(llm) if i >= reaches[eos]]
+    if padded:
+        raise UntranslatableError(
+            f"the PromptedLLM's vocabulary holds {len(padded)} padded logit columns (ids {padded[0]}..{padded[-1]}, "
+            "no token stands for them): genlm-control proposes them as empty tokens, the engine's SMC never reads "
+            "those columns, so the targets differ. Build the PromptedLLM over genlm_vlm.without_padding(lm) (rows "
+            "renormalised over the real tokens, as the engine's), or pass fallback=True"
+        )
 
 
 def _check_product(llms: list[Any]) -> None:
