@@ -7,12 +7,14 @@ timed calls after one warm-up; the crossover sets ``GATHER_DENSITY_CPU``.
 
 Part 2 (``--controller MODEL``): ``SMCController.step`` for the steady cell of
 bench_smc_engine (the regex ``[a-z ]{1000}``, every particle live and distinct) on random rows
-as wide as the model's logits, no engine: ms per step and the masks' share. What the engine adds
-around it (bench_smc_engine's "ctl ms/step") is the machine's, not the step's.
+as wide as the model's logits, no engine: ms per step and the masks' share. ``--cold`` repeats it with a
+forward-sized matmul between steps, as the engine's forward runs between them: that leaves the
+caches cold, and it is what bench_smc_engine's "ctl ms/step" shows (the step's CPU time there
+equals its wall time: nothing waits for a core).
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_step.py --paths --controller llama-2k-32kcols-mid qwen2-0.5b-shape
+    .venv/bin/python benchmarks/bench_step.py --paths --controller llama-2k-32kcols-mid qwen2-0.5b-shape --cold
 
 The step runs on one torch thread (``CPU_STEP_THREADS``), as in the engine. Say what else the
 machine was doing: these are wall times.
@@ -62,7 +64,7 @@ def paths(ms: list[int], reps: int) -> None:
                 print(f"| {v:,} | {w:,} | {m} | {d} | {dense:.3f} | {gather:.3f} | {auto} |", flush=True)
 
 
-def controller(model: str, ms: list[int], steps: int) -> None:
+def controller(model: str, ms: list[int], steps: int, cold: bool = False) -> None:
     from transformers import AutoTokenizer
 
     from genlm_vlm.smc import Regex
@@ -75,6 +77,7 @@ def controller(model: str, ms: list[int], steps: int) -> None:
     vocab = (list(get_byte_vocab(tok)) + [b""] * v)[:v]
     eos = [tok.eos_token_id]
     gen = torch.Generator().manual_seed(0)
+    big, w = torch.randn(2048, 4096, generator=gen), torch.randn(4096, 1024, generator=gen)
     for n in ms:
         bound = Regex("[a-z ]{1000}").bind(vocab, eos, v, {})
         ctl = SMCController(bound, n, 10 * steps, eos_ids=eos, byte_vocab=vocab, ess_threshold=0.0, seed=0)
@@ -82,12 +85,16 @@ def controller(model: str, ms: list[int], steps: int) -> None:
         live = list(range(n))
         for s in range(3):
             ctl.step(rows[s % 4], live)
-        m0, c0, t0 = ctl.mask_seconds, ctl.seconds, time.perf_counter()
+        m0, c0, wall = ctl.mask_seconds, ctl.seconds, 0.0
         for s in range(steps):
+            if cold:  # a forward-sized matmul between steps, as the engine's forward (caches cold)
+                big @ w
+            t0 = time.perf_counter()
             ctl.step(rows[s % 4], live)
-        wall = (time.perf_counter() - t0) / steps
+            wall += time.perf_counter() - t0
+        wall /= steps
         masks = (ctl.mask_seconds - m0) / steps
-        print(f"{model} N={n}: controller {1e3 * wall:.3f} ms/step (masks {1e3 * masks:.3f}, "
+        print(f"{model} N={n}{' (cold caches)' if cold else ''}: controller {1e3 * wall:.3f} ms/step (masks {1e3 * masks:.3f}, "
               f"rest {1e3 * ((ctl.seconds - c0) / steps - masks):.3f})", flush=True)
 
 
@@ -98,12 +105,15 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--cold", action="store_true", help="part 2 also with a forward-sized matmul between steps")
     args = ap.parse_args()
     step.set_threads(step.CPU_STEP_THREADS or torch.get_num_threads())
     if args.paths:
         paths(args.m, args.reps)
     for model in args.controller:
         controller(model, args.m, args.steps)
+        if args.cold:
+            controller(model, args.m, args.steps, cold=True)
 
 
 if __name__ == "__main__":
