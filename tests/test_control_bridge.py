@@ -369,6 +369,8 @@ async def test_padded_ids_are_refused_and_without_padding_runs(gc):
     assert contexts >= 4
     with pytest.raises(control.UntranslatableError, match=r"42 padded logit columns \(ids 258\.\.299.*without_padding"):
         await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, seed=0)
+    with pytest.raises(control.UntranslatableError, match="42 padded logit columns"):  # no condition: too
+        await control.smc(gc.direct_token_sampler(llm), 4, 0.5, 3, seed=0)
     seqs = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 6, fallback=True)  # genlm-control's own, per token
     assert len(seqs.contexts) == 16
     # without_padding(lm): a view with no padded ids, run per token in Python (not in an engine)

@@ -149,17 +149,15 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
         raise UntranslatableError(f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be > 0")
     if len(llms) > 1:
         _check_product(llms)
-    if conds:
-        _check_padding(llm)
+    _check_padding(llm)
     return Plan(llm, conds, llms)
 
 
 def _check_padding(llm: Any) -> None:
     """Refuse a ``PromptedLLM`` whose vocabulary holds padded logit columns (ids past the last
     token with bytes or EOS): genlm-control proposes them as empty tokens wherever the condition
-    can still be completed, and ``lm.smc`` never reads those columns, so the targets would differ
-    by their mass. (Without a condition the bridge's mask keeps the whole vocabulary, padding
-    included: no refusal.)"""
+    can still be completed (with no condition, everywhere), and ``lm.smc`` never reads those
+    columns (its controller stops at the usable width), so the targets would differ by their mass."""
     lm = llm.model
     eos = tuple(int(e) for e in llm.token_maps.eos_idxs)
     reaches = lm.__dict__.setdefault("_bridge_reach", {})  # a scan back over the padding: once per model and EOS
