@@ -302,16 +302,6 @@ def choose_path(counts: Any, width: int, device: Any) -> str:
     return "gather" if int(np.max(counts)) * limit <= width else "dense"
 
 
-def _draw(cum: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse CDF per row of the cumulative masses ``cum`` (float64 ``[m, n]``): the first index
-    whose cumulative mass exceeds ``u * total`` (never past the last index with mass: a product
-    that rounds up to the total takes the last allowed token). Returns ``(index, total)``."""
-    tot = cum[:, -1:].contiguous()
-    j = torch.searchsorted(cum, u[:, None] * tot, right=True)
-    last = torch.searchsorted(cum, tot, right=False)
-    return torch.minimum(j, last).squeeze(1), tot.squeeze(1)
-
-
 def _finish(alive: torch.Tensor, j: torch.Tensor, incr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.where(alive, j, torch.full_like(j, -1))
     return tokens, torch.where(alive, incr, torch.full_like(incr, -math.inf))
@@ -354,7 +344,7 @@ def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, wi
         j = x.argmax(dim=1)
         return _finish(alive, j, x.gather(1, j[:, None]).squeeze(1).to(torch.float64))
     ztop = _ztop(top, t, alive)
-    j, tot = _draw(_cumulative(x, t, ztop), u)
+    j, tot = step_cpu.first_exceeding(_cumulative(x, t, ztop), u)
     return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
 
 
@@ -399,7 +389,7 @@ def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, w
         tok = cols.gather(1, j[:, None]).squeeze(1)
         return _finish(alive, tok, vals.gather(1, j[:, None]).squeeze(1).to(torch.float64))
     ztop = _ztop(top, t, alive)
-    j, tot = _draw(_cumulative(vals, t, ztop), u)
+    j, tot = step_cpu.first_exceeding(_cumulative(vals, t, ztop), u)
     tok = cols.gather(1, j[:, None]).squeeze(1)
     return _finish(alive, tok, _incr(vals.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
 

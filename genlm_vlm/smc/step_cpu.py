@@ -98,7 +98,7 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
                             bm[i:i + 1], block, clamp=True)
         if nb == 1:  # narrow rows: one cumulative sum over the row
             cum = torch.cumsum(e, dim=1, dtype=torch.float64, out=_buffer("cum", k * wp, torch.float64).view(k, wp))
-            j[r0:r1], tot[r0:r1] = _first_exceeding(cum, u[r0:r1])
+            j[r0:r1], tot[r0:r1] = first_exceeding(cum, u[r0:r1])
         else:
             j[r0:r1], tot[r0:r1] = _draw_blocks(bm, e, u[r0:r1], picks[r0:r1], block)
     return j, tot, shift
@@ -122,10 +122,11 @@ def _masses(x: torch.Tensor, keep: torch.Tensor, shift: torch.Tensor, t: float, 
     torch.sum(e.view(k, -1, block), dim=2, dtype=torch.float64, out=out)
 
 
-def _first_exceeding(cum: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``cum`` (float64 cumulative masses ``[k, n]``): the first index whose mass
-    exceeds ``u`` times the total, never past the first index that reaches the total (a product
-    that rounds up to the total takes the last index with mass). Returns ``(index, total)``."""
+def first_exceeding(cum: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse CDF per row of ``cum`` (float64 cumulative masses ``[k, n]``, any device): the
+    first index whose mass exceeds ``u`` times the total, never past the first index that reaches
+    the total (a product that rounds up to the total takes the last index with mass). Returns
+    ``(index, total)``. Every path of the step draws with it (:mod:`.step` imports it)."""
     tot = cum[:, -1:].contiguous()
     i = torch.searchsorted(cum, u[:, None] * tot, right=True)
     return torch.minimum(i, torch.searchsorted(cum, tot, right=False)).squeeze(1), tot.squeeze(1)
@@ -135,11 +136,11 @@ def _draw_blocks(masses: torch.Tensor, e: torch.Tensor, u: torch.Tensor, picks: 
                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse CDF in two levels (see :func:`dense`). ``masses``: float64 ``[k, blocks]``;
     ``e``: ``[k, blocks * block]``. Returns ``(column, total)``: the block by
-    :func:`_first_exceeding` on the blocks' cumulative masses, then the column inside it on the
+    :func:`first_exceeding` on the blocks' cumulative masses, then the column inside it on the
     block's cumulative masses offset by the blocks before it."""
     k = masses.shape[0]
     cum = masses.cumsum(dim=1)
-    b, tot = _first_exceeding(cum, u)
+    b, tot = first_exceeding(cum, u)
     base = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(tot))
     blocks = e.view(k, -1, block)[torch.arange(k), b]  # [k, block]
     inner = torch.cumsum(blocks, dim=1, dtype=torch.float64, out=picks).add_(base[:, None])
