@@ -158,12 +158,11 @@ def _check_padding(llm: Any) -> None:
     token with bytes or EOS): genlm-control proposes them as empty tokens wherever the condition
     can still be completed (with no condition, everywhere), and ``lm.smc`` never reads those
     columns (its controller stops at the usable width), so the targets would differ by their mass."""
+    from ..smc.api import bind_cache
+
     lm = llm.model
-    eos = tuple(int(e) for e in llm.token_maps.eos_idxs)
-    reaches = lm.__dict__.setdefault("_bridge_reach", {})  # a scan back over the padding: once per model and EOS
-    if eos not in reaches:
-        reaches[eos] = usable_width(lm._byte_strings, eos)
-    padded = [i for i in _empty_ids(llm) if i >= reaches[eos]]
+    reach = _reach(lm._byte_strings, list(llm.token_maps.eos_idxs), lm.vocab_size, bind_cache(lm))
+    padded = [i for i in _empty_ids(llm) if i >= reach]
     if padded:
         raise UntranslatableError(
             f"the PromptedLLM's vocabulary holds {len(padded)} padded logit columns (ids {padded[0]}..{padded[-1]}, "
@@ -222,16 +221,23 @@ class _WithEmptyTokens(Constraint):
 
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
-        key = ("usable_width", tuple(int(e) for e in eos_ids), width)
-        reach = None if cache is None else cache.get(key)
-        if reach is None:  # a scan back over the padding: once per model
-            reach = min(width, usable_width(byte_vocab[:width], eos_ids))
-            if cache is not None:
-                cache[key] = reach
+        reach = _reach(byte_vocab, eos_ids, width, cache)
         return _BoundWithEmpty(self.inner.bind(byte_vocab, eos_ids, width, cache), self.empty_ids, reach)
 
     def describe(self) -> str:
         return f"{self.inner.describe()} (tokens with no bytes allowed)"
+
+
+def _reach(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int, cache: dict[Any, Any] | None) -> int:
+    """The usable width (one past the last token with bytes or EOS id, at most ``width``), kept
+    in ``cache`` (the model's bind cache): a scan back over the padding once per model and EOS."""
+    key = ("usable_width", tuple(int(e) for e in eos_ids), width)
+    reach = None if cache is None else cache.get(key)
+    if reach is None:
+        reach = min(width, usable_width(byte_vocab[:width], eos_ids))
+        if cache is not None:
+            cache[key] = reach
+    return reach
 
 
 class _BoundWithEmpty(BoundConstraint):

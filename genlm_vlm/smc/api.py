@@ -43,8 +43,13 @@ def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
     """``constraint`` compiled for ``lm``'s vocabulary (the grammar compiler for the vocabulary
     and EOS ids is made once per model and kept with it)."""
     c: Constraint = as_constraint(constraint)
-    cache = lm.__dict__.setdefault("_smc_compilers", {})
-    return c.bind(lm._byte_strings, eos, lm.vocab_size, cache=cache)
+    return c.bind(lm._byte_strings, eos, lm.vocab_size, cache=bind_cache(lm))
+
+
+def bind_cache(lm: Any) -> dict[Any, Any]:
+    """The per-model cache :func:`bind` hands to ``Constraint.bind`` (grammar compilers, usable
+    tokens and widths per EOS ids), kept on ``lm``."""
+    return lm.__dict__.setdefault("_smc_compilers", {})
 
 
 def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
