@@ -108,24 +108,29 @@ RUNS = 64  # bridge runs pooled (cheap: one burst each)
 THEIR_RUNS = 16  # genlm-control's own runs pooled (per token)
 
 
-async def _exact(llm, lm, constraint, tau: float = 1.0) -> tuple[dict[str, float], float]:
-    """The exact posterior over texts (and log Z) of ``llm`` under ``constraint`` with
-    genlm-control's ``max_tokens`` convention, by enumerating every allowed token path."""
+async def _exact(llms, lm, constraint, tau: float = 1.0) -> tuple[dict[str, float], float]:
+    """The exact posterior over texts (and log Z) of the product of the ``PromptedLLM``s
+    ``llms`` (one: its own target, tempered by ``tau`` as ``PromptedLLM(temperature=)`` does;
+    several: ``prod_j p(x | p_j)``, as the engine runs it) under ``constraint``, with
+    genlm-control's ``max_tokens`` convention (EOS counted, forced at the limit, weighted by the
+    summed rows' mass on the EOS ids), by enumerating every allowed token path."""
     import torch
 
     from genlm_vlm.smc import api
 
-    eos = list(llm.token_maps.eos_idxs)
+    eos = list(llms[0].token_maps.eos_idxs)
     bound = api.bind(lm, constraint, tuple(eos))
-    prompt = list(llm.prompt_ids)
+    prompts = [list(f.prompt_ids) for f in llms]
     level = [((), 0.0, bound.initial())]
     weights: dict[str, float] = {}
     for depth in range(MAX_TOKENS):
-        rows = await lm.batch_next_token_logprobs([prompt + list(p) for p, _, _ in level])
+        rows = await lm.batch_next_token_logprobs([p + list(path) for p in prompts for path, _, _ in level])
+        m = len(level)
+        factors = [rows[j * m:(j + 1) * m].double() for j in range(len(prompts))]
+        summed = sum(f if tau == 1.0 else torch.log_softmax(f / tau, -1) for f in factors)
         masks = bound.masks([s for _, _, s in level])
         nxt = []
-        for (path, lp, state), row, mask in zip(level, rows, masks, strict=True):
-            row = torch.log_softmax(row.double() / tau, 0)
+        for (path, lp, state), row, mask in zip(level, summed, masks, strict=True):
             if mask[eos].any():
                 text = b"".join(lm.byte_vocab[t].byte_string for t in path).decode()
                 w = math.exp(lp + float(torch.logsumexp(row[eos], 0)))
@@ -178,7 +183,7 @@ async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm
 
     fsa = gc.BoolFSA.from_regex(LANGUAGE)
     cond = fsa.coerce(llm, f=b"".join)
-    exact, log_z = await _exact(llm, llama_lm, constraint_for(Plan(llm, [condition_constraint(fsa)])))
+    exact, log_z = await _exact([llm], llama_lm, constraint_for(Plan(llm, [condition_constraint(fsa)])))
     assert len(exact) == 8, exact  # every text of three letters a, q
 
     def make(run):
@@ -341,8 +346,8 @@ async def test_bridge_tempers_the_target_as_promptedllm_does(gc, many_eos_llm, l
     llm = many_eos_llm.spawn(temperature=1.5)
     cond = fsa.coerce(llm, f=b"".join)
     constraint = constraint_for(Plan(llm, [condition_constraint(fsa)]))
-    exact, log_z = await _exact(llm, llama_lm, constraint, tau=1.5)
-    untempered, _ = await _exact(llm, llama_lm, constraint)
+    exact, log_z = await _exact([llm], llama_lm, constraint, tau=1.5)
+    untempered, _ = await _exact([llm], llama_lm, constraint)
     assert _tv(exact, untempered) > 0.05  # the temperature changes the target visibly
     ours = [await control.smc(gc.AWRS(llm, cond), 32, 0.5, MAX_TOKENS, seed=seed) for seed in range(RUNS)]
     tv = _tv(_pooled(ours), exact)

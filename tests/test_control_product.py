@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from test_control_bridge import LANGUAGE, MAX_TOKENS, PROMPT, _pooled, _tv, pytestmark  # noqa: F401
+from test_control_bridge import LANGUAGE, MAX_TOKENS, PROMPT, _exact, _pooled, _tv, pytestmark  # noqa: F401
 
 OTHER = "x = 'a"  # the second factor's prompt
 RUNS = 48
@@ -33,38 +33,6 @@ def pair(gc, llama_lm):
     return llm1, llm2
 
 
-async def _exact_product(llms, lm, constraint) -> tuple[dict[str, float], float]:
-    """The exact posterior over texts (and log Z) of the product of ``llms`` (one EOS id) under
-    ``constraint`` with genlm-control's ``max_tokens`` convention, by enumeration."""
-    from genlm_vlm.smc import api
-
-    (eos,) = llms[0].token_maps.eos_idxs
-    bound = api.bind(lm, constraint, (eos,))
-    prompts = [list(f.prompt_ids) for f in llms]
-    level = [((), 0.0, bound.initial())]
-    weights: dict[str, float] = {}
-    for depth in range(MAX_TOKENS):
-        rows = await lm.batch_next_token_logprobs([p + list(path) for p in prompts for path, _, _ in level])
-        m = len(level)
-        summed = sum(rows[j * m:(j + 1) * m].double() for j in range(len(prompts)))
-        masks = bound.masks([s for _, _, s in level])
-        nxt = []
-        for (path, lp, state), row, mask in zip(level, summed, masks, strict=True):
-            if mask[eos]:
-                text = b"".join(lm.byte_vocab[t].byte_string for t in path).decode()
-                weights[text] = weights.get(text, 0.0) + math.exp(lp + float(row[eos]))
-            if depth == MAX_TOKENS - 1:
-                continue
-            for t in np.flatnonzero(mask):
-                if int(t) != eos:
-                    nxt.append(((*path, int(t)), lp + float(row[t]), bound.advance(bound.copy(state), int(t))))
-        level = nxt
-        if not level:
-            break
-    z = sum(weights.values())
-    return {k: v / z for k, v in weights.items()}, math.log(z)
-
-
 @pytest.mark.parametrize("sampler_kind", ["awrs", "direct+critic"])
 async def test_product_posterior_matches_exact_and_genlm_control(gc, pair, llama_lm, sampler_kind):
     from genlm_vlm import control
@@ -75,9 +43,9 @@ async def test_product_posterior_matches_exact_and_genlm_control(gc, pair, llama
     fsa = gc.BoolFSA.from_regex(LANGUAGE)
     cond = fsa.coerce(llm1, f=b"".join)
     target = llm1 * llm2
-    exact, log_z = await _exact_product([llm1, llm2], llama_lm,
+    exact, log_z = await _exact([llm1, llm2], llama_lm,
                                         constraint_for(Plan(llm1, [condition_constraint(fsa)])))
-    single, _ = await _exact_product([llm1], llama_lm, constraint_for(Plan(llm1, [condition_constraint(fsa)])))
+    single, _ = await _exact([llm1], llama_lm, constraint_for(Plan(llm1, [condition_constraint(fsa)])))
     assert len(exact) == 8 and _tv(exact, single) > 0.05, (exact, single)  # the second factor matters
 
     def make(run):
