@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from genlm_vlm.smc import step as S
+from genlm_vlm.smc import step_cpu as C
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -76,36 +77,65 @@ def check_against_reference(tok, inc, ref, *, rel=1e-9, tie=1e-9, abs_=1e-12) ->
     return ties
 
 
+def chosen_path(path: str, mask: np.ndarray, width: int, t: float) -> str:
+    """The path ``propose(path=path)`` takes on the CPU."""
+    if path != "auto":
+        return path
+    counts = S.popcounts(S.pack(mask))
+    if t >= S.GREEDY_BELOW and C.fused_available() and C.use_fused(mask.shape[0], width, counts):
+        return "fused"
+    return S.choose_path(counts, width, "cpu")
+
+
 @pytest.mark.parametrize("density", [0.9, 0.1, 0.004])
 @pytest.mark.parametrize("t", [1.0, 0.6, 1.7, 0.0])
-@pytest.mark.parametrize("path", ["dense", "gather", "auto"])
+@pytest.mark.parametrize("path", ["dense", "gather", "fused", "auto"])
 def test_step_matches_float64_reference(density, t, path):
     rng = np.random.default_rng(int(density * 1000) + int(t * 10))
     m, v, width = 12, 3000, 2950
     rows, mask, u = random_case(rng, m, v, width, density)
     ref = reference(rows.numpy(), mask, u, t)
+    if path == "fused" and t == 0.0:  # greedy is the torch paths' (an argmax)
+        with pytest.raises(ValueError, match="path='fused' runs on float32 CPU rows at temperatures"):
+            S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, t, width=width, path=path)
+        return
     tok, inc = S.to_host(*S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, t, width=width, path=path))
     assert tok[0] == -1 and tok[1] == int(np.flatnonzero(mask[1])[0])
-    chosen = S.choose_path(S.popcounts(S.pack(mask)), width, "cpu") if path == "auto" else path
-    tol = 1e-9 if chosen == "gather" or t == 0.0 else F32_REL
+    chosen = chosen_path(path, mask, width, t)
+    tol = 1e-9 if chosen in ("gather", "fused") or t == 0.0 else F32_REL
     assert check_against_reference(tok, inc, ref, rel=tol, tie=tol, abs_=tol) <= 1
 
 
-def test_the_paths_agree_and_auto_chooses_by_density():
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_paths_agree_and_auto_chooses_by_density(fused, monkeypatch):
+    """Every path draws the same tokens; the fused one's increments are the gather path's to the
+    bit (the same float64 arithmetic). ``auto``: fused on narrow rows and on wide rows with
+    sparse masks; without numba (simulated), dense or gather by density."""
+    if not fused:
+        monkeypatch.setattr(C, "_fused_kernel", None)
+        monkeypatch.setattr(C, "_fused_failed", ["the fused CPU step is off: ModuleNotFoundError('numba')"])
     rng = np.random.default_rng(5)
-    m, v = 40, 4096
-    for density, expect in ((0.8, "dense"), (0.002, "gather")):
+    m = 40
+    cases = ((4096, 0.8, "fused" if fused else "dense"), (4096, 0.002, "fused" if fused else "gather"),
+             (20000, 0.8, "dense"), (20000, 0.2, "fused" if fused else "dense"))
+    for v, density, expect in cases:
         rows, mask, u = random_case(rng, m, v, v, density)
         bits = S.pack(torch.from_numpy(mask))
-        got = {p: S.to_host(*S.propose(rows.clone(), bits, u, 1.0, path=p)) for p in ("dense", "gather", "auto")}
+        paths = ("dense", "gather", "auto") + (("fused",) if fused else ())
+        got = {p: S.to_host(*S.propose(rows.clone(), bits, u, 1.0, path=p)) for p in paths}
         assert got["dense"][0] == got["gather"][0]
         np.testing.assert_allclose(got["dense"][1], got["gather"][1], rtol=F32_REL, atol=F32_REL)
-        assert S.choose_path(S.popcounts(bits), v, "cpu") == expect
+        if fused:
+            assert got["fused"][0] == got["gather"][0] and got["fused"][1].tobytes() == got["gather"][1].tobytes()
+        assert chosen_path("auto", mask, v, 1.0) == expect
         assert got["auto"][0] == got[expect][0]
         assert got["auto"][1].tobytes() == got[expect][1].tobytes()
+    if not fused:
+        with pytest.raises(ValueError, match="numba"):
+            S.propose(rows.clone(), bits, u, 1.0, path="fused")
 
 
-@pytest.mark.parametrize("path", ["dense", "gather"])
+@pytest.mark.parametrize("path", ["dense", "gather", "fused"])
 def test_thread_count_does_not_change_a_bit(path, monkeypatch):
     """On the CPU the step is a function of its inputs: 1 thread and 2 threads give the same
     bytes (rows wide enough that torch splits elementwise work and reductions across threads)."""
@@ -129,7 +159,7 @@ def test_thread_count_does_not_change_a_bit(path, monkeypatch):
         assert out[1, t] == out[2, t]
 
 
-@pytest.mark.parametrize("path", ["dense", "gather", "auto"])
+@pytest.mark.parametrize("path", ["dense", "gather", "fused", "auto"])
 def test_padding_columns_are_never_drawn_nor_written(path):
     """Columns at or past width hold huge values and their bits are set: never drawn, never read
     into the mass, never written."""
@@ -147,6 +177,8 @@ def test_padding_columns_are_never_drawn_nor_written(path):
     check_against_reference(tok, inc, reference(rows.numpy(), trimmed, u, 1.0), rel=F32_REL, tie=F32_REL,
                             abs_=F32_REL)
     # greedy too: the padding's +50 would win any argmax that read it
+    if path == "fused":
+        return  # greedy: not the fused path's
     g, _ = S.to_host(*S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, 0.0, width=width, path=path))
     assert all(t < width for t in g) and g[0] == -1
 
@@ -161,11 +193,11 @@ def test_minus_inf_rows_die_and_edge_uniforms_stay_in_the_mask():
     mask[1, 5] = True
     mask[2, [7, 9, 30]] = True  # 30 is -inf: never drawn, even at u -> 1
     u = np.array([0.5, 0.999999999999, np.nextafter(1.0, 0.0)])
-    for path in ("dense", "gather"):
+    for path in ("dense", "gather", "fused"):
         tok, inc = S.to_host(*S.propose(rows.clone(), S.pack(torch.from_numpy(mask)), u, 1.0, path=path))
         assert tok == [-1, 5, 9]
         assert inc[0] == -math.inf and inc[1] == 0.0
-        assert inc[2] == pytest.approx(math.log(math.exp(-1) + math.exp(-2)), rel=1e-12 if path == "gather" else F32_REL)
+        assert inc[2] == pytest.approx(math.log(math.exp(-1) + math.exp(-2)), rel=1e-12 if path != "dense" else F32_REL)
 
 
 def test_pack_unpack_roundtrip_and_bad_input():
@@ -387,3 +419,25 @@ def test_scratch_buffers_reused_at_another_width_carry_nothing_over():
         assert all(t < v for t in tok)
         check_against_reference(tok, inc, reference(rows.numpy(), mask, u, 1.0), rel=F32_REL, tie=F32_REL,
                                 abs_=F32_REL)
+
+
+def test_the_fused_step_draws_no_column_past_its_rows_and_takes_any_strides():
+    """Rows that are a column slice of a wider tensor (not contiguous), as wide as the
+    vocabulary (77: a partial last word): the columns past them hold +50 and are never read;
+    tokens and increments are the gather path's to the bit."""
+    if not C.fused_available():
+        pytest.skip(C.fused_error() or "no numba")
+    rng = np.random.default_rng(21)
+    big = torch.full((6, 96), 50.0)
+    rows = big[:, :77]
+    rows.copy_(torch.log_softmax(torch.from_numpy(rng.standard_normal((6, 77))).float(), dim=1))
+    assert not rows.is_contiguous()
+    mask = rng.random((6, 77)) < 0.5
+    mask[:, 76] = True  # the last column, in the partial last word
+    u = np.array([0.0, 0.3, 0.6, 0.9, np.nextafter(1.0, 0.0), 0.5])
+    bits = S.pack(mask)
+    fused = S.to_host(*S.propose(rows, bits, u, 0.7, path="fused"))
+    gather = S.to_host(*S.propose(rows.clone(), bits, u, 0.7, path="gather"))
+    assert fused[0] == gather[0] and all(0 <= t < 77 for t in fused[0])
+    assert fused[1].tobytes() == gather[1].tobytes()
+    assert torch.equal(big[:, 77:], torch.full((6, 19), 50.0))

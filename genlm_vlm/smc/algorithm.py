@@ -210,6 +210,10 @@ class SMCController(Controller):
         self.target_temperature = target_temperature
         self.forced = 0  # particles whose last token was cut to EOS (force_eos)
         self._eos_only: torch.Tensor | None = None
+        if (self.device is None and not torch.cuda.is_available()) or (self.device is not None and self.device.type == "cpu"):
+            from .step_cpu import fused_available
+
+            fused_available()  # the fused CPU step compiled (or loaded) here, not in an engine step
 
     # ------------------------------------------------------------------ one step
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:

@@ -258,8 +258,9 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
     device. ``uniforms``: ``m`` floats in ``[0, 1)`` (numpy or tensor; used in float64).
     ``width``: columns that may ever be allowed (default ``V``). ``counts``: allowed tokens per
     row if the caller already knows them (else counted from ``bits``). ``path``: ``"auto"``,
-    ``"dense"`` or ``"gather"``; ``kernel``: ``"auto"`` or ``"torch"`` (the dense path's mask
-    kernel). Returns ``(tokens int64 [m], increments float64 [m])`` on the rows' device, token
+    ``"fused"`` (float32 CPU rows at sampling temperatures, numba installed:
+    :func:`step_cpu.fused`), ``"dense"`` or ``"gather"``; ``kernel``: ``"auto"`` or ``"torch"``
+    (the dense path's mask kernel). Returns ``(tokens int64 [m], increments float64 [m])`` on the rows' device, token
     ``-1`` (increment ``-inf``) where the mask keeps no probability."""
     if rows.dim() != 2:
         raise ValueError(f"rows must be [m, V], got shape {tuple(rows.shape)}")
@@ -272,7 +273,14 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     device = rows.device
     b = _prepare_bits(bits, m, width)
-    if counts is None and path != "dense":
+    fusable = (device.type == "cpu" and t >= GREEDY_BELOW and rows.dtype == torch.float32
+               and step_cpu.fused_available())
+    if path == "fused" and not fusable:
+        raise ValueError("path='fused' runs on float32 CPU rows at temperatures >= 1e-5 with numba installed"
+                         + (f" ({step_cpu.fused_error()})" if step_cpu.fused_error() else ""))
+    if path == "auto" and fusable and width <= step_cpu.FUSED_ALWAYS_UPTO:  # narrow rows: no counts needed
+        path = "fused"
+    if counts is None and path in ("auto", "gather"):
         counts = popcounts(b) if b.device.type == "cpu" else _popcounts_device(b)
     b = b.to(device)
     u = torch.as_tensor(uniforms if torch.is_tensor(uniforms) else np.asarray(uniforms, dtype=np.float64),
@@ -285,9 +293,11 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
     if m == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
     if path == "auto":
-        path = choose_path(counts, width, device)
+        path = "fused" if fusable and step_cpu.use_fused(m, width, counts) else choose_path(counts, width, device)
+    if path == "fused":
+        return step_cpu.fused(rows, b, u, t, width)
     if path not in ("dense", "gather"):
-        raise ValueError(f"path must be 'auto', 'dense' or 'gather', got {path!r}")
+        raise ValueError(f"path must be 'auto', 'fused', 'dense' or 'gather', got {path!r}")
     with _Threads(CPU_STEP_THREADS if device.type == "cpu" else None):
         if path == "dense":
             return _dense(rows, b, u, t, width, kernel)

@@ -148,3 +148,145 @@ def _draw_blocks(masses: torch.Tensor, e: torch.Tensor, u: torch.Tensor, picks: 
     i = torch.searchsorted(inner, target, right=True)
     last = torch.searchsorted(inner, inner[:, -1:].contiguous(), right=False)
     return b * block + torch.minimum(i, last).squeeze(1), tot
+
+
+# ---------------------------------------------------------------------- the fused step (numba)
+#: The fused path runs on rows at most this wide whatever the masks' density, and on wider rows
+#: when the densest row allows at most ``width / FUSED_DENSITY`` tokens. It computes one float64
+#: ``exp`` per *allowed* entry (scalar: numba does not vectorise ``exp``), so on wide, dense masks
+#: torch's vectorised float32 ``exp`` over every column wins. Measured crossovers on this project's
+#: CPU (benchmarks/bench_step.py --paths, sixth session): always faster at 2,048 columns in the
+#: engine (one call instead of some 60 torch operations, which is what a step after a forward pays
+#: for); on 32,000-151,646 columns faster up to about 1/3 of the width allowed.
+FUSED_ALWAYS_UPTO = 8192
+FUSED_DENSITY = 3
+_fused_kernel: object = None
+_fused_failed: list[str] = []  # why the fused kernel is not available (empty: it is, or not tried)
+_fused_lock = threading.Lock()
+
+
+def fused_available() -> bool:
+    """Whether the fused kernel can run (numba importable and the kernel compiled; compiled once
+    per process on first use, and cached on disk by numba)."""
+    return _fused() is not None
+
+
+def fused_error() -> str | None:
+    """Why the fused kernel is not used (None: it is, or was not tried yet)."""
+    return _fused_failed[0] if _fused_failed else None
+
+
+def _fused() -> object:
+    global _fused_kernel
+    if _fused_kernel is None and not _fused_failed:
+        with _fused_lock:
+            if _fused_kernel is None and not _fused_failed:
+                try:
+                    _fused_kernel = _compile()
+                except Exception as e:  # noqa: BLE001 - no numba (vLLM requires it): the torch paths
+                    _fused_failed.append(f"the fused CPU step is off: {e!r}")
+                    import logging
+
+                    logging.getLogger(__name__).info("SMC step: %s; the torch paths run", _fused_failed[0])
+    return _fused_kernel
+
+
+def _kernel(x, bits, width, u, t, tok, incr, vals, cols, cum):  # pragma: no cover - run compiled
+    """:func:`fused`'s loop, compiled by numba (plain Python here: see :func:`_compile`)."""
+    m, nw = bits.shape
+    for r in range(m):
+        n = 0  # the row's allowed entries, compacted without a branch per column
+        for w in range(nw):
+            word = bits[r, w]
+            if word == 0:
+                continue
+            base = 32 * w
+            for b in range(min(32, width - base)):
+                vals[n] = x[r, base + b]
+                cols[n] = base + b
+                n += (word >> b) & 1
+        top = -np.inf
+        for k in range(n):
+            if vals[k] > top:
+                top = vals[k]
+        if top == -np.inf:  # nothing allowed, or only -inf entries: the particle dies
+            tok[r] = -1
+            incr[r] = -np.inf
+            continue
+        shift = np.float64(top) / t
+        c = 0.0
+        for k in range(n):
+            c += math.exp(np.float64(vals[k]) / t - shift)
+            cum[k] = c
+        target = u[r] * c
+        lo, hi = 0, n
+        while lo < hi:  # the first entry whose cumulative mass exceeds the target
+            mid = (lo + hi) >> 1
+            if cum[mid] > target:
+                hi = mid
+            else:
+                lo = mid + 1
+        lo = min(lo, n - 1)
+        while lo > 0 and cum[lo - 1] >= c:  # never past the first entry that reaches the total
+            lo -= 1
+        j = cols[lo]
+        tok[r] = j
+        if t == 1.0:
+            incr[r] = shift + math.log(c)
+        else:
+            xj = np.float64(x[r, j])
+            incr[r] = xj - (xj / t - shift - math.log(c))
+
+
+def _compile() -> object:
+    """:func:`_kernel` compiled by numba for one signature (rows of any strides), at once: 0.8 s
+    the first time on this project's CPU, then loaded from numba's disk cache (0.5 s with
+    numba's import). :class:`~genlm_vlm.smc.algorithm.SMCController` calls it when it is built,
+    so no engine step pays for it."""
+    import numba
+
+    sig = ("void(float32[:, :], uint32[:, ::1], int64, float64[::1], float64, int64[::1], float64[::1], "
+           "float32[::1], int64[::1], float64[::1])")
+    return numba.njit(sig, cache=True, nogil=True)(_kernel)
+
+
+def use_fused(m: int, width: int, counts: object = None) -> bool:
+    """Whether :func:`fused` should run for ``m`` rows of ``width`` usable columns (``counts``:
+    allowed tokens per row, needed only past :data:`FUSED_ALWAYS_UPTO`). A function of the
+    shapes and masks only, so every run of the same step takes the same path."""
+    if width <= FUSED_ALWAYS_UPTO:
+        return True
+    return counts is not None and m > 0 and int(np.max(counts)) * FUSED_DENSITY <= width
+
+
+def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
+          width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole step in one compiled call, on the CPU at sampling temperatures: per row, the
+    allowed entries compacted from the bitmask, the shift by their best entry, ``float64``
+    ``exp(x / t - shift)`` and its running sum, the inverse-CDF draw by bisection and the
+    increment. The same float64 arithmetic as the gather path (whose results it reproduces to
+    the bit on this project's tests); no torch operation runs and the rows are not written.
+
+    ``rows``: float32 ``[m, V]`` on the CPU (any strides); ``bits``: int32 ``[m, ceil(width/32)]``
+    cleared past ``width``; ``u``: float64 ``[m]``. Returns ``(tokens int64 [m], increments
+    float64 [m])`` (token -1, increment -inf where the mask keeps no probability)."""
+    kernel = _fused()
+    if kernel is None:
+        raise RuntimeError(fused_error() or "the fused CPU step is not available")
+    m = rows.shape[0]
+    n = 32 * bits.shape[1]
+    tok = np.empty(m, dtype=np.int64)
+    incr = np.empty(m, dtype=np.float64)
+    kernel(rows.numpy(), bits.numpy().view(np.uint32), int(width), u.numpy(), float(t), tok, incr,
+           _scratch("vals", n, np.float32), _scratch("cols", n, np.int64), _scratch("cum", n, np.float64))
+    return torch.from_numpy(tok), torch.from_numpy(incr)
+
+
+def _scratch(name: str, n: int, dtype: type) -> np.ndarray:
+    """A per-thread numpy scratch array of at least ``n`` entries (contents left from earlier use)."""
+    key = "np_" + name
+    buf = getattr(_workspace, key, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n, dtype=dtype)
+        setattr(_workspace, key, buf)
+    return buf
