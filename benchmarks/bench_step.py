@@ -2,8 +2,9 @@
 densities, and the built-in controller's whole step on a model's tokenizer.
 
 Part 1 (``--paths``): ``propose`` on random log-softmax rows ``[m, V]`` and random masks of a
-given density over the usable width, dense path against gather path, medians of ``--reps``
-timed calls after one warm-up; the crossover sets ``GATHER_DENSITY_CPU``.
+given density over the usable width, the dense, gather and fused paths, medians of ``--reps``
+timed calls after one warm-up; the crossovers set ``GATHER_DENSITY_CPU`` and
+``step_cpu.FUSED_DENSITY``.
 
 Part 2 (``--controller MODEL``): ``SMCController.step`` for the steady cell of
 bench_smc_engine (the regex ``[a-z ]{1000}``, every particle live and distinct) on random rows
@@ -33,7 +34,7 @@ import torch
 from genlm_vlm.smc import step
 
 SHAPES = ((151936, 32000), (32768, 2048), (151936, 151646))  # (columns, usable width)
-DENSITIES = (0.5, 0.25, 0.1, 0.03, 0.01, 0.003)
+DENSITIES = (0.7, 0.5, 0.33, 0.25, 0.1, 0.03, 0.01, 0.003)
 WIDTHS = {"llama-2k-32kcols-mid": 32768, "qwen2-0.5b-shape": 151936, "llama-2k-mid": 2048}
 
 
@@ -48,8 +49,11 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 
 
 def paths(ms: list[int], reps: int) -> None:
-    print("| columns | usable | m | density | dense ms | gather ms | auto chooses |")
-    print("|---|---|---|---|---|---|---|")
+    from genlm_vlm.smc import step_cpu
+
+    fused_ok = step_cpu.fused_available()
+    print("| columns | usable | m | density | dense ms | gather ms | fused ms | auto chooses |")
+    print("|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
     for v, w in SHAPES:
@@ -58,10 +62,13 @@ def paths(ms: list[int], reps: int) -> None:
             for d in DENSITIES:
                 bits = step.pack(rng.random((m, w)) < d)
                 u = rng.random(m)
-                dense, gather = (timed(lambda p=p, r=rows, b=bits, u=u, w=w: step.propose(r, b, u, 1.0, width=w, path=p),
-                                       reps) for p in ("dense", "gather"))
-                auto = step.choose_path(step.popcounts(bits), w, "cpu")
-                print(f"| {v:,} | {w:,} | {m} | {d} | {dense:.3f} | {gather:.3f} | {auto} |", flush=True)
+                dense, gather, fused = (
+                    timed(lambda p=p, r=rows, b=bits, u=u, w=w: step.propose(r, b, u, 1.0, width=w, path=p), reps)
+                    if p != "fused" or fused_ok else float("nan") for p in ("dense", "gather", "fused"))
+                counts = step.popcounts(bits)
+                auto = ("fused" if fused_ok and step_cpu.use_fused(m, w, counts)
+                        else step.choose_path(counts, w, "cpu"))
+                print(f"| {v:,} | {w:,} | {m} | {d} | {dense:.3f} | {gather:.3f} | {fused:.3f} | {auto} |", flush=True)
 
 
 def controller(model: str, ms: list[int], steps: int, cold: bool = False) -> None:

@@ -59,6 +59,9 @@ def random_case(rng: np.random.Generator, m: int, v: int, width: int, density: f
 #: The CPU's dense path exponentiates float32 differences (docs: within about one unit in the last
 #: place of the float32 rows); the gather path and the GPU's dense path work in float64.
 F32_REL = 1e-6
+#: The fused path's exponential is a polynomial within an ulp of libm's: increments agree with the
+#: gather path's float64 arithmetic to round-off.
+FUSED_REL = 1e-13
 
 
 def check_against_reference(tok, inc, ref, *, rel=1e-9, tie=1e-9, abs_=1e-12) -> int:
@@ -108,8 +111,8 @@ def test_step_matches_float64_reference(density, t, path):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_paths_agree_and_auto_chooses_by_density(fused, monkeypatch):
-    """Every path draws the same tokens; the fused one's increments are the gather path's to the
-    bit (the same float64 arithmetic). ``auto``: fused on narrow rows and on wide rows with
+    """Every path draws the same tokens; the fused one's increments are the gather path's to
+    float64 round-off (the same arithmetic but for the exponential's polynomial). ``auto``: fused on narrow rows and on wide rows with
     sparse masks; without numba (simulated), dense or gather by density."""
     if not fused:
         monkeypatch.setattr(C, "_fused_kernel", None)
@@ -125,8 +128,9 @@ def test_the_paths_agree_and_auto_chooses_by_density(fused, monkeypatch):
         got = {p: S.to_host(*S.propose(rows.clone(), bits, u, 1.0, path=p)) for p in paths}
         assert got["dense"][0] == got["gather"][0]
         np.testing.assert_allclose(got["dense"][1], got["gather"][1], rtol=F32_REL, atol=F32_REL)
-        if fused:
-            assert got["fused"][0] == got["gather"][0] and got["fused"][1].tobytes() == got["gather"][1].tobytes()
+        if fused:  # the same float64 arithmetic but for the exponential (within an ulp of libm's)
+            assert got["fused"][0] == got["gather"][0]
+            np.testing.assert_allclose(got["fused"][1], got["gather"][1], rtol=FUSED_REL, atol=FUSED_REL)
         assert chosen_path("auto", mask, v, 1.0) == expect
         assert got["auto"][0] == got[expect][0]
         assert got["auto"][1].tobytes() == got[expect][1].tobytes()
@@ -423,8 +427,8 @@ def test_scratch_buffers_reused_at_another_width_carry_nothing_over():
 
 def test_the_fused_step_draws_no_column_past_its_rows_and_takes_any_strides():
     """Rows that are a column slice of a wider tensor (not contiguous), as wide as the
-    vocabulary (77: a partial last word): the columns past them hold +50 and are never read;
-    tokens and increments are the gather path's to the bit."""
+    vocabulary (77: a partial last word): the columns past them hold +50 and are never drawn;
+    tokens are the gather path's, increments within float64 round-off."""
     if not C.fused_available():
         pytest.skip(C.fused_error() or "no numba")
     rng = np.random.default_rng(21)
@@ -439,5 +443,21 @@ def test_the_fused_step_draws_no_column_past_its_rows_and_takes_any_strides():
     fused = S.to_host(*S.propose(rows, bits, u, 0.7, path="fused"))
     gather = S.to_host(*S.propose(rows.clone(), bits, u, 0.7, path="gather"))
     assert fused[0] == gather[0] and all(0 <= t < 77 for t in fused[0])
-    assert fused[1].tobytes() == gather[1].tobytes()
+    np.testing.assert_allclose(fused[1], gather[1], rtol=FUSED_REL, atol=FUSED_REL)
     assert torch.equal(big[:, 77:], torch.full((6, 19), 50.0))
+
+
+@pytest.mark.parametrize("t", [1.0, 0.5])
+def test_the_fused_exponential_holds_over_the_whole_float64_range(t):
+    """Entries from 0 down to -1,600 after the temperature (past float64's smallest normal
+    exponential, e ** -708): increments within round-off of the float64 reference, tokens equal."""
+    if not C.fused_available():
+        pytest.skip(C.fused_error() or "no numba")
+    rng = np.random.default_rng(8)
+    m, v = 16, 4000
+    rows = torch.from_numpy(-800.0 * rng.random((m, v)) ** 4).float()  # many entries near the top, a tail to -800
+    mask = rng.random((m, v)) < 0.7
+    u = rng.random(m)
+    tok, inc = S.to_host(*S.propose(rows, S.pack(mask), u, t, path="fused"))
+    assert check_against_reference(tok, inc, reference(rows.numpy(), mask, u, t), rel=FUSED_REL, tie=1e-12,
+                                   abs_=FUSED_REL) == 0
