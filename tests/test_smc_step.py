@@ -461,3 +461,21 @@ def test_the_fused_exponential_holds_over_the_whole_float64_range(t):
     tok, inc = S.to_host(*S.propose(rows, S.pack(mask), u, t, path="fused"))
     assert check_against_reference(tok, inc, reference(rows.numpy(), mask, u, t), rel=FUSED_REL, tie=1e-12,
                                    abs_=FUSED_REL) == 0
+
+
+def test_a_grammar_advances_its_states_together_as_one_by_one_and_names_a_refused_token():
+    """``advance_many`` (the controller's one call per step) leaves each matcher where
+    ``advance`` would, and a token the grammar refuses raises, naming it."""
+    from genlm_vlm.smc import Regex
+
+    vocab = [b"a", b"b", b"ab", b"ba", b""]
+    bound = Regex("(ab)+").bind(vocab, [4], 5, {})
+    together = [bound.initial() for _ in range(3)]
+    one_by_one = [bound.initial() for _ in range(3)]
+    moves = [0, 2, 0]
+    together = bound.advance_many(together, moves)
+    one_by_one = [bound.advance(s, t) for s, t in zip(one_by_one, moves, strict=True)]
+    assert np.array_equal(bound.masks(together), bound.masks(one_by_one))
+    assert bound.masks(together)[0].tolist() == [False, True, False, True, False]  # after "a": "b" or "ba"
+    with pytest.raises(ValueError, match="token 1 is not allowed here"):
+        bound.advance_many([bound.initial()], [1])  # "b" cannot start (ab)+

@@ -236,7 +236,7 @@ class SMCController(Controller):
         u = self.rng.random(m)  # one per live particle, in particle order, whatever the path
         width = min(self.width, rows.shape[1])
         tokens, incr = to_host(*propose(rows, bits, u, self.temperature, width=width))
-        out = [self._apply(i, tok, inc) for i, tok, inc in zip(particles, tokens, incr, strict=True)]
+        out = self._take(particles, tokens, incr)
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
@@ -285,25 +285,35 @@ class SMCController(Controller):
         self.forced += len(last)
         return bits
 
-    def _apply(self, i: int, token: int, incr: float) -> int | None:
-        """Particle ``i`` takes its proposed token (``-1``: it dies); returns what the runner
-        feeds it."""
-        if token < 0:
-            self.log_w[i] = -math.inf
-            self.status[i] = "dead"
-            return None
-        self.log_w[i] += incr
-        if token in self.eos:
-            self.status[i] = "finished"
-            return None
-        self.states[i] = self.constraint.advance(self.states[i], token)
-        self.tokens[i].append(token)
-        nxt = self._next_history
-        self.history[i] = nxt.setdefault((self.history[i], token), len(nxt) + 1)
-        if len(self.tokens[i]) >= self.max_tokens:
-            self.status[i] = "cut"
-            return None
-        return token
+    def _take(self, particles: Sequence[int], tokens: list[int], incr: np.ndarray) -> list[int | None]:
+        """Each particle takes its proposed token (``-1``: it dies, its increment is ``-inf``);
+        returns what the runner feeds each (None: nothing, it stopped). The weights move in one
+        numpy operation, the constraint's states in one :meth:`~.BoundConstraint.advance_many`."""
+        self.log_w[np.asarray(particles, dtype=np.int64)] += incr  # the same float64 sums as one by one
+        out: list[int | None] = [None] * len(particles)
+        moved, moves = [], []
+        status, seqs, history, nxt = self.status, self.tokens, self.history, self._next_history
+        eos, cap = self.eos, self.max_tokens
+        for k, (i, token) in enumerate(zip(particles, tokens, strict=True)):
+            if token < 0:
+                status[i] = "dead"
+            elif token in eos:
+                status[i] = "finished"
+            else:
+                seq = seqs[i]
+                seq.append(token)
+                moved.append(i)
+                moves.append(token)
+                history[i] = nxt.setdefault((history[i], token), len(nxt) + 1)
+                if len(seq) >= cap:
+                    status[i] = "cut"
+                else:
+                    out[k] = token
+        if moved:
+            states = self.states
+            for i, state in zip(moved, self.constraint.advance_many([states[i] for i in moved], moves), strict=True):
+                states[i] = state
+        return out
 
     def _maybe_resample(self) -> list[int] | None:
         lw = self.log_w
