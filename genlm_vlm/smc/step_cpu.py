@@ -210,38 +210,38 @@ def _taylor(r):  # pragma: no cover - inlined into the compiled kernel
             1.0 / 39916800 + r * (1.0 / 479001600 + r * (1.0 / 6227020800)))))))))))))
 
 
-def _kernel(x, bits, width, u, t, tok, incr, vals, cols, cum, pow2):  # pragma: no cover - run compiled
+def _popcount(v):  # pragma: no cover - inlined into the compiled kernel
+    """Set bits of ``v`` (an int64 holding 32 bits)."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    return (((v + (v >> 4)) & 0x0F0F0F0F) * 0x01010101 & 0xFFFFFFFF) >> 24
+
+
+def _kernel(x, bits, width, u, t, tok, incr, vals, cum, pow2):  # pragma: no cover - run compiled
     """:func:`fused`'s loop, compiled by numba (plain Python here: see :func:`_compile`)."""
     m, nw = bits.shape
+    full = width // 32
+    two = pow2.view(np.float64)
     for r in range(m):
         n = 0  # the row's allowed entries, compacted without a branch per column
         for w in range(nw):
-            word = bits[r, w]
+            word = np.int64(bits[r, w])
             if word == 0:
                 continue
             base = 32 * w
-            for b in range(min(32, width - base)):
+            for b in range(32 if w < full else width - base):
                 vals[n] = x[r, base + b]
-                cols[n] = base + b
                 n += (word >> b) & 1
         top = -np.inf
         for k in range(n):
-            if vals[k] > top:
-                top = vals[k]
+            top = max(top, vals[k])
         if top == -np.inf:  # nothing allowed, or only -inf entries: the particle dies
             tok[r] = -1
             incr[r] = -np.inf
             continue
         shift = np.float64(top) / t
-        if t == 1.0:
-            for k in range(n):
-                cum[k] = np.float64(vals[k]) - shift
-        else:
-            for k in range(n):
-                cum[k] = np.float64(vals[k]) / t - shift
-        two = pow2.view(np.float64)
-        for k in range(n):  # exp(z) for z <= 0 in one loop the compiler vectorises (see _exp_parts)
-            z = cum[k]
+        for k in range(n):  # exp(x / t - shift) <= 1, in one loop the compiler vectorises
+            z = np.float64(vals[k]) / t - shift  # (t == 1: the division is exact)
             y = max(z, _EXP_FLOOR)
             kf = math.floor(y * _INV_LN2 + 0.5)
             h = (y - kf * _LN2_HI) - kf * _LN2_LO  # y = kf ln 2 + h, |h| <= ln(2) / 2
@@ -262,7 +262,19 @@ def _kernel(x, bits, width, u, t, tok, incr, vals, cols, cum, pow2):  # pragma: 
         lo = min(lo, n - 1)
         while lo > 0 and cum[lo - 1] >= c:  # never past the first entry that reaches the total
             lo -= 1
-        j = cols[lo]
+        j = 0  # the column of the lo-th allowed entry: whole words by their bit counts, then bits
+        for w in range(nw):
+            word = np.int64(bits[r, w])
+            k = _popcount(word)
+            if lo < k:
+                for b in range(32):
+                    if (word >> b) & 1:
+                        if lo == 0:
+                            j = 32 * w + b
+                            break
+                        lo -= 1
+                break
+            lo -= k
         tok[r] = j
         if t == 1.0:
             incr[r] = shift + math.log(c)
@@ -278,10 +290,11 @@ def _compile() -> object:
     so no engine step pays for it."""
     import numba
 
-    global _taylor
+    global _taylor, _popcount
     _taylor = numba.njit(inline="always")(_taylor)
+    _popcount = numba.njit(inline="always")(_popcount)
     sig = ("void(float32[:, :], uint32[:, ::1], int64, float64[::1], float64, int64[::1], float64[::1], "
-           "float32[::1], int64[::1], float64[::1], int64[::1])")
+           "float32[::1], float64[::1], int64[::1])")
     return numba.njit(sig, cache=True, nogil=True)(_kernel)
 
 
@@ -315,8 +328,7 @@ def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     tok = np.empty(m, dtype=np.int64)
     incr = np.empty(m, dtype=np.float64)
     kernel(rows.numpy(), bits.numpy().view(np.uint32), int(width), u.numpy(), float(t), tok, incr,
-           _scratch("vals", n, np.float32), _scratch("cols", n, np.int64), _scratch("cum", n, np.float64),
-           _scratch("pow2", n, np.int64))
+           _scratch("vals", n, np.float32), _scratch("cum", n, np.float64), _scratch("pow2", n, np.int64))
     return torch.from_numpy(tok), torch.from_numpy(incr)
 
 
