@@ -20,10 +20,14 @@ Per row, with ``A`` the allowed tokens and ``t`` the temperature:
 Columns at or past ``width`` (the tokenizer's real vocabulary; the model's padding columns) are
 never read, written or allowed.
 
-Two paths give the same result up to float round-off, chosen by the masks' density (not by
-``m x V``; :func:`choose_path`): *dense* works over the full usable width; *gather* picks each
-row's allowed entries and works over them (a ``[m, most allowed]`` buffer, float64 after the
-gather). The dense path differs by device:
+On float32 CPU rows at sampling temperatures, where numba is installed (vLLM requires it), the
+*fused* path runs (:func:`step_cpu.fused`): one compiled call per step, float64 to round-off, on
+rows of at most :data:`step_cpu.FUSED_ALWAYS_UPTO` usable columns and on wider ones whose densest
+mask allows at most a :data:`step_cpu.FUSED_DENSITY`-th of them. Otherwise two paths give the
+same result up to float round-off, chosen by the masks' density (not by ``m x V``;
+:func:`choose_path`): *dense* works over the full usable width; *gather* picks each row's allowed
+entries and works over them (a ``[m, most allowed]`` buffer, float64 after the gather). The dense
+path differs by device:
 
 * on the CPU at sampling temperatures (:func:`step_cpu.dense`) the rows are not written: float32
   exponentials of the rows shifted by their best usable entry, times the mask as 0/1, summed in

@@ -153,13 +153,15 @@ def _draw_blocks(masses: torch.Tensor, e: torch.Tensor, u: torch.Tensor, picks: 
 # ---------------------------------------------------------------------- the fused step (numba)
 #: The fused path runs on rows at most this wide whatever the masks' density, and on wider rows
 #: when the densest row allows at most ``width / FUSED_DENSITY`` tokens. It computes one float64
-#: ``exp`` per *allowed* entry (scalar: numba does not vectorise ``exp``), so on wide, dense masks
-#: torch's vectorised float32 ``exp`` over every column wins. Measured crossovers on this project's
-#: CPU (benchmarks/bench_step.py --paths, sixth session): always faster at 2,048 columns in the
-#: engine (one call instead of some 60 torch operations, which is what a step after a forward pays
-#: for); on 32,000-151,646 columns faster up to about 1/3 of the width allowed.
+#: ``exp`` per *allowed* entry, so on wide, dense masks torch's float32 ``exp`` over every column
+#: can win. Measured on this project's CPU (docs/BENCHMARKS.md, sixth session): called back to back
+#: on random rows (benchmarks/bench_step.py --paths) it is faster than both torch paths up to a
+#: third of 32,000-151,646 columns allowed and even with the dense path at a half; in the engine,
+#: where a step follows a forward and a call costs what the code it touches costs, it took the
+#: proposal from 2.94 to 1.78 ms (N = 32) and 8.25 to 6.34 ms (N = 128) on the Qwen2-0.5B shape's
+#: steady cell, 42 % of 32,768 columns allowed; on 2,048 columns 0.42 -> 0.30 ms at N = 32.
 FUSED_ALWAYS_UPTO = 8192
-FUSED_DENSITY = 3
+FUSED_DENSITY = 2
 _fused_kernel: object = None
 _fused_failed: list[str] = []  # why the fused kernel is not available (empty: it is, or not tried)
 _fused_lock = threading.Lock()
