@@ -479,3 +479,16 @@ def test_a_grammar_advances_its_states_together_as_one_by_one_and_names_a_refuse
     assert bound.masks(together)[0].tolist() == [False, True, False, True, False]  # after "a": "b" or "ba"
     with pytest.raises(ValueError, match="token 1 is not allowed here"):
         bound.advance_many([bound.initial()], [1])  # "b" cannot start (ab)+
+
+
+def test_strided_uniforms_and_bitmasks_are_taken():
+    """Uniforms and bitmasks handed as strided views (every other entry of a larger tensor)."""
+    rng = np.random.default_rng(4)
+    rows, mask, _ = random_case(rng, 6, 300, 300, 0.4)
+    u = torch.from_numpy(rng.random(12))[::2]
+    bits = S.pack(np.repeat(mask, 2, axis=0))[::2]
+    assert not u.is_contiguous() and not bits.is_contiguous()
+    got = S.to_host(*S.propose(rows, bits, u, 1.0))
+    want = S.to_host(*S.propose(rows, bits.contiguous(), u.contiguous().numpy(), 1.0, path="gather"))
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], rtol=FUSED_REL, atol=FUSED_REL)

@@ -329,7 +329,7 @@ def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     n = 32 * bits.shape[1]
     tok = np.empty(m, dtype=np.int64)
     incr = np.empty(m, dtype=np.float64)
-    kernel(rows.numpy(), bits.numpy().view(np.uint32), int(width), u.numpy(), float(t), tok, incr,
+    kernel(rows.numpy(), bits.contiguous().numpy().view(np.uint32), int(width), u.contiguous().numpy(), float(t), tok, incr,
            _scratch("vals", n, np.float32), _scratch("cum", n, np.float64), _scratch("pow2", n, np.int64))
     return torch.from_numpy(tok), torch.from_numpy(incr)
 
