@@ -268,6 +268,19 @@ def test_gpu_controller_check_runs_on_the_cpu(tmp_path):
     assert {c["path"] for c in res["cells"]} == {"dense", "gather"}
 
 
+def test_gpu_controller_check_loads_the_step_where_the_package_does_not_import():
+    """On the GPU host the package may not import (no vLLM, no transformers): the check loads
+    smc/step.py from its file, with step_cpu.py beside it (step.py imports it relatively)."""
+    code = ("import runpy, sys; sys.modules['genlm_vlm'] = None; sys.argv = ['controller_check.py']; "
+            "mod = runpy.run_path('benchmarks/gpu/controller_check.py', run_name='check'); "
+            "step, how = mod['load_step'](); import numpy as np, torch; "
+            "tok, inc = step.to_host(*step.propose(torch.zeros(2, 40), step.pack(np.eye(2, 40, dtype=bool)), "
+            "np.zeros(2), path='dense')); print(how.split(' ')[0].endswith('step.py'), tok)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True [0, 1]"
+
+
 # ------------------------------------------------------------------------------ in the controller
 def _mock(**kw):
     from genlm_vlm import MockAsyncLM

@@ -48,6 +48,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 from typing import Any
 
 import numpy as np
@@ -72,7 +73,11 @@ def load_step() -> tuple[Any, str]:
         return step, "genlm_vlm.smc.step"
     except Exception as e:  # noqa: BLE001 - e.g. a dependency of the package missing on this host
         path = ROOT / "genlm_vlm" / "smc" / "step.py"
-        spec = importlib.util.spec_from_file_location("genlm_vlm_smc_step", path)
+        # a bare package around smc/ (not genlm_vlm's __init__): step.py imports step_cpu relatively
+        pkg = types.ModuleType("genlm_vlm_smc")
+        pkg.__path__ = [str(path.parent)]
+        sys.modules[pkg.__name__] = pkg
+        spec = importlib.util.spec_from_file_location("genlm_vlm_smc.step", path)
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
