@@ -65,9 +65,7 @@ def paths(ms: list[int], reps: int) -> None:
                 dense, gather, fused = (
                     timed(lambda p=p, r=rows, b=bits, u=u, w=w: step.propose(r, b, u, 1.0, width=w, path=p), reps)
                     if p != "fused" or fused_ok else float("nan") for p in ("dense", "gather", "fused"))
-                counts = step.popcounts(bits)
-                auto = ("fused" if fused_ok and step_cpu.use_fused(m, w, counts)
-                        else step.choose_path(counts, w, "cpu"))
+                auto = step.choose_path(step.popcounts(bits), w, "cpu")
                 print(f"| {v:,} | {w:,} | {m} | {d} | {dense:.3f} | {gather:.3f} | {fused:.3f} | {auto} |", flush=True)
 
 

@@ -82,12 +82,7 @@ def check_against_reference(tok, inc, ref, *, rel=1e-9, tie=1e-9, abs_=1e-12) ->
 
 def chosen_path(path: str, mask: np.ndarray, width: int, t: float) -> str:
     """The path ``propose(path=path)`` takes on the CPU."""
-    if path != "auto":
-        return path
-    counts = S.popcounts(S.pack(mask))
-    if t >= S.GREEDY_BELOW and C.fused_available() and C.use_fused(mask.shape[0], width, counts):
-        return "fused"
-    return S.choose_path(counts, width, "cpu")
+    return path if path != "auto" else S.choose_path(S.popcounts(S.pack(mask)), width, "cpu", t)
 
 
 @pytest.mark.parametrize("density", [0.9, 0.1, 0.004])
@@ -253,9 +248,15 @@ def test_importing_the_step_imports_neither_vllm_nor_transformers():
 
 def test_gpu_controller_check_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu/controller_check.py at a tiny width on the CPU: every cell ok, the JSON
-    written with the fields the GPU run reports."""
-    cmd = [sys.executable, "benchmarks/gpu/controller_check.py", "--device", "cpu", "--out", str(tmp_path),
-           "--width", "2048", "--ms", "3", "8", "--reps", "2", "--warmup", "1", "--host-reps", "1"]
+    written with the fields the GPU run reports. Run as on the GPU host, where numba is not
+    installed: the fused CPU step off, so the cells take the torch paths the GPU runs (and
+    report them: the path is ``choose_path``'s, the one ``propose`` takes)."""
+    args = ["controller_check.py", "--device", "cpu", "--out", str(tmp_path), "--width", "2048", "--ms", "3", "8",
+            "--reps", "2", "--warmup", "1", "--host-reps", "1"]
+    code = ("import runpy, sys; from genlm_vlm.smc import step_cpu; "
+            "step_cpu._fused_failed.append('off: the GPU host has no numba'); "
+            f"sys.argv = {args!r}; runpy.run_path('benchmarks/gpu/controller_check.py', run_name='__main__')")
+    cmd = [sys.executable, "-c", code]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((tmp_path / "controller_check.json").read_text())

@@ -160,7 +160,7 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
     u = rng.random(m)
     rows = make_rows(m, vocab, width, device, args.seed + m)
     counts = step.popcounts(bits)
-    cell["path"] = step.choose_path(counts, vocab, device)
+    cell["path"] = step.choose_path(counts, vocab, device, t)
     cell["bytes_to_device"] = int(bits[:, : step.words(vocab)].numel() * 4 + m * 8)
     cell["bytes_to_host"] = 16 * m
 
@@ -178,7 +178,7 @@ def run_cell(step: Any, device: torch.device, m: int, kind: str, args: argparse.
             times.append(time.perf_counter() - t0)
     cell["step_ms"] = round(1000 * statistics.median(times), 4)
     cell["step_ms_min"] = round(1000 * min(times), 4)
-    cell["mask_kernel"] = ("none (gather path)" if cell["path"] != "dense"
+    cell["mask_kernel"] = (f"none ({cell['path']} path)" if cell["path"] != "dense"
                            else "torch" if args.kernel == "torch" and device.type != "cpu" else step.mask_kernel(device, t))
     why = step.mask_kernel_error(device)
     if why:

@@ -277,14 +277,12 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     device = rows.device
     b = _prepare_bits(bits, m, width)
-    fusable = (device.type == "cpu" and t >= GREEDY_BELOW and rows.dtype == torch.float32
-               and step_cpu.fused_available())
+    fusable = _fusable(device, t, rows.dtype)
     if path == "fused" and not fusable:
         raise ValueError("path='fused' runs on float32 CPU rows at temperatures >= 1e-5 with numba installed"
                          + (f" ({step_cpu.fused_error()})" if step_cpu.fused_error() else ""))
-    if path == "auto" and fusable and width <= step_cpu.FUSED_ALWAYS_UPTO:  # narrow rows: no counts needed
-        path = "fused"
-    if counts is None and path in ("auto", "gather"):
+    narrow_fused = fusable and step_cpu.use_fused(width)  # choose_path needs no counts then
+    if counts is None and (path == "gather" or (path == "auto" and not narrow_fused)):
         counts = popcounts(b) if b.device.type == "cpu" else _popcounts_device(b)
     b = b.to(device)
     u = torch.as_tensor(uniforms if torch.is_tensor(uniforms) else np.asarray(uniforms, dtype=np.float64),
@@ -297,7 +295,7 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
     if m == 0:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.float64, device=device)
     if path == "auto":
-        path = "fused" if fusable and step_cpu.use_fused(m, width, counts) else choose_path(counts, width, device)
+        path = choose_path(counts, width, device, t, rows.dtype)
     if path == "fused":
         return step_cpu.fused(rows, b, u, t, width)
     if path not in ("dense", "gather"):
@@ -308,11 +306,23 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
         return _gather(rows, b, u, t, width, counts)
 
 
-def choose_path(counts: Any, width: int, device: Any) -> str:
-    """``"gather"`` when the densest row allows at most ``width / GATHER_DENSITY`` tokens
-    (``GATHER_DENSITY_CPU`` on the CPU), else ``"dense"``: a function of the masks and the device
-    only, so every run of the same step takes the same path."""
-    limit = GATHER_DENSITY_CPU if torch.device(device).type == "cpu" else GATHER_DENSITY
+def _fusable(device: torch.device, t: float, dtype: torch.dtype) -> bool:
+    """Whether the fused CPU step can take rows of ``dtype`` on ``device`` at temperature ``t``."""
+    return device.type == "cpu" and t >= GREEDY_BELOW and dtype == torch.float32 and step_cpu.fused_available()
+
+
+def choose_path(counts: Any, width: int, device: Any, temperature: float = 1.0,
+                dtype: torch.dtype = torch.float32) -> str:
+    """The path ``propose(path="auto")`` takes: ``"fused"`` where the fused CPU step can take
+    the rows (float32 on the CPU, a sampling temperature, numba installed) and
+    :func:`step_cpu.use_fused` chooses it (``counts`` may be None when the width alone decides);
+    else ``"gather"`` when the densest row allows at most ``width / GATHER_DENSITY`` tokens
+    (``GATHER_DENSITY_CPU`` on the CPU), else ``"dense"``. A function of the masks, the device,
+    the temperature and the dtype only, so every run of the same step takes the same path."""
+    dev = torch.device(device)
+    if _fusable(dev, temperature, dtype) and step_cpu.use_fused(width, counts):
+        return "fused"
+    limit = GATHER_DENSITY_CPU if dev.type == "cpu" else GATHER_DENSITY
     return "gather" if int(np.max(counts)) * limit <= width else "dense"
 
 

@@ -300,13 +300,13 @@ def _compile() -> object:
     return numba.njit(sig, cache=True, nogil=True)(_kernel)
 
 
-def use_fused(m: int, width: int, counts: object = None) -> bool:
-    """Whether :func:`fused` should run for ``m`` rows of ``width`` usable columns (``counts``:
-    allowed tokens per row, needed only past :data:`FUSED_ALWAYS_UPTO`). A function of the
-    shapes and masks only, so every run of the same step takes the same path."""
+def use_fused(width: int, counts: object = None) -> bool:
+    """Whether :func:`fused` should run for rows of ``width`` usable columns (``counts``: allowed
+    tokens per row, needed only past :data:`FUSED_ALWAYS_UPTO`; without them a wider row is not
+    chosen). A function of the width and masks only (``step.choose_path`` asks it)."""
     if width <= FUSED_ALWAYS_UPTO:
         return True
-    return counts is not None and m > 0 and int(np.max(counts)) * FUSED_DENSITY <= width
+    return counts is not None and len(counts) > 0 and int(np.max(counts)) * FUSED_DENSITY <= width
 
 
 def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
