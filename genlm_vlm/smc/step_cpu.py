@@ -330,15 +330,6 @@ def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     tok = np.empty(m, dtype=np.int64)
     incr = np.empty(m, dtype=np.float64)
     kernel(rows.numpy(), bits.contiguous().numpy().view(np.uint32), int(width), u.contiguous().numpy(), float(t), tok, incr,
-           _scratch("vals", n, np.float32), _scratch("cum", n, np.float64), _scratch("pow2", n, np.int64))
+           _buffer("vals", n, torch.float32).numpy(), _buffer("cum", n, torch.float64).numpy(),
+           _buffer("pow2", n, torch.int64).numpy())
     return torch.from_numpy(tok), torch.from_numpy(incr)
-
-
-def _scratch(name: str, n: int, dtype: type) -> np.ndarray:
-    """A per-thread numpy scratch array of at least ``n`` entries (contents left from earlier use)."""
-    key = "np_" + name
-    buf = getattr(_workspace, key, None)
-    if buf is None or buf.size < n:
-        buf = np.empty(n, dtype=dtype)
-        setattr(_workspace, key, buf)
-    return buf
