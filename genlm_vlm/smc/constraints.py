@@ -25,6 +25,7 @@ import json
 import re
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -258,28 +259,84 @@ class _Grammarish(Constraint):
         return _Compiled(compiled, width, self.describe(), usable, fill)
 
 
-class Regex(_Grammarish):
-    """The generated text (the tokens' bytes, decoded as UTF-8) must match ``pattern`` whole,
-    then EOS. Python-style syntax without look-arounds or back-references. The syntax is checked
-    here, when the constraint is built (xgrammar's parser, no vocabulary needed: well under a
-    millisecond): a bad pattern raises :class:`ConstraintError` saying where."""
+#: Patterns whose token mask tables a model keeps (least recently bound dropped first).
+REGEX_TABLES = 8
 
-    def __init__(self, pattern: str) -> None:
-        if not isinstance(pattern, str) or not pattern:
-            raise ConstraintError(f"Regex needs a non-empty pattern string, got {pattern!r}")
+
+class Regex(Constraint):
+    """The generated text (the tokens' bytes, decoded as UTF-8) must match ``pattern`` as
+    ``re.fullmatch(pattern, text)`` does, then EOS: Python's syntax and meaning (``.`` excludes
+    ``"\\n"`` unless ``(?s)``; ``\\w``, ``\\d``, ``\\s`` and ``(?i)`` are Unicode-aware as in
+    ``re``). Refused, with a message saying what to write instead: back-references,
+    look-arounds, conditionals, possessive quantifiers, atomic groups, ``\\b``/``\\B``, and
+    anchors away from the pattern's start or end. The pattern is parsed and checked here, when
+    the constraint is built.
+
+    Bound to a vocabulary it is a token automaton (:mod:`.automaton`): a minimal DFA over the
+    text's UTF-8 bytes, each state's allowed tokens found once per (pattern, vocabulary) and
+    kept as a bitmask row, so a step's masks are a gather and advancing a particle is a table
+    walk over its token's bytes. A pattern whose DFA would pass ``max_states`` states is handed
+    to xgrammar instead, as an exact EBNF translation of the same language."""
+
+    def __init__(self, pattern: str, *, max_states: int | None = None) -> None:
+        from . import regex
+
+        if not isinstance(pattern, str):
+            raise TypeError(f"Regex needs a pattern string, got {type(pattern).__name__}")
+        if not pattern:
+            raise ConstraintError("Regex needs a non-empty pattern string, got ''")
+        if max_states is not None and (isinstance(max_states, bool) or not isinstance(max_states, int)):
+            raise TypeError(f"Regex: max_states must be an int or None, got {type(max_states).__name__}")
+        if max_states is not None and max_states < 2:
+            raise ConstraintError(f"Regex: max_states must be >= 2, got {max_states}")
         self.pattern = pattern
+        self.max_states = regex.MAX_DFA_STATES if max_states is None else max_states
         try:
-            import xgrammar as xgr
-        except ImportError:  # pragma: no cover - xgrammar comes with vLLM; checked again at bind
-            return
-        try:
-            xgr.Grammar.from_regex(pattern)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its C++ location
-            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip())
-            raise ConstraintError(f"{self.describe()} does not compile: {why}") from None
+            self._nfa = regex.compile_regex(pattern)
+        except regex.RegexError as e:
+            sep = " " if str(e).startswith("does not compile") else ": "
+            raise ConstraintError(f"{self.describe()}{sep}{e}") from None
+        self._dfa: Any = None  # the ByteDFA, or the TooManyStates that sent it to xgrammar
 
-    def _compile(self, compiler: Any) -> Any:
-        return compiler.compile_regex(self.pattern)
+    def dfa(self) -> Any:
+        """The minimal byte DFA (:class:`~.regex.ByteDFA`), or None where it passes
+        ``max_states`` (xgrammar runs the pattern then)."""
+        from . import regex
+
+        if self._dfa is None:
+            try:
+                self._dfa = self._nfa.byte_dfa(self.max_states)
+            except regex.TooManyStates as e:
+                self._dfa = e
+        return None if isinstance(self._dfa, Exception) else self._dfa
+
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        from .automaton import BoundAutomaton, TokenMasks, TokenWalk
+
+        dfa = self.dfa()
+        if dfa is None:
+            return Grammar(ebnf=self._nfa.ebnf()).bind(byte_vocab, eos_ids, width, cache)
+        if not eos_ids:
+            raise ConstraintError("the model has no EOS token id: give eos_token_ids= to smc()")
+        eos = tuple(int(e) for e in eos_ids)
+        cache = {} if cache is None else cache
+        tables = cache.setdefault("regex-masks", OrderedDict())  # (pattern, ...) -> TokenMasks, LRU
+        key = (self.pattern, self.max_states, eos, width)
+        masks = tables.get(key)
+        if masks is None:
+            walk = cache.get(("token-walk", eos, width))
+            if walk is None:
+                walk = cache[("token-walk", eos, width)] = TokenWalk(byte_vocab, eos, width)
+            masks = tables[key] = TokenMasks(dfa, walk)
+            while len(tables) > REGEX_TABLES:
+                tables.popitem(last=False)
+        tables.move_to_end(key)
+        bound = BoundAutomaton(masks, byte_vocab, eos, self.describe())
+        if not bool(bound.bitmasks([bound.initial()]).any()):
+            raise ConstraintError(f"{self.describe()}: no token of this vocabulary can start a match (empty language)")
+        bound.seconds = 0.0
+        return bound
 
     def describe(self) -> str:
         return f"Regex({self.pattern!r})"

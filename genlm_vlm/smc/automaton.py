@@ -1,0 +1,208 @@
+"""Regular constraints as token automata: a particle's state is an integer, a mask is a gather.
+
+A :class:`~.regex.ByteDFA` (from a Python regular expression, or from genlm-control's byte
+automaton) is bound to a vocabulary here. A particle's state is the DFA state after the bytes of
+the tokens it has generated. For each state a step meets, the tokens allowed next are found
+once, by walking every text token's bytes from that state at the same time (numpy, one table
+lookup per token byte: :class:`TokenWalk`), and kept as a packed bitmask row (xgrammar's layout)
+in a table shared by every run over the same pattern and vocabulary (:class:`TokenMasks`). A
+step's bitmasks are then one ``index_select`` of that table, and advancing a particle walks its
+token's few bytes in the DFA. No grammar matcher runs per particle per step.
+
+A token may come next in state ``s`` when it has bytes (special tokens and padding columns have
+none: never allowed), is not an EOS id, and its bytes do not lead ``s`` to the dead state; an
+EOS id may come next where ``s`` accepts. So the language is exactly the DFA's: a text is
+allowed when its bytes are accepted, whatever the tokens it is cut into (a token may end inside a
+multi-byte character, or cross several of the pattern's parts).
+
+Memory: the table holds at most ``max_rows`` states (by default as many as fit in
+:data:`MASK_BYTES`); past that the least recently used state's row is dropped and found again
+when needed (the same bits: the result never depends on the cache).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .constraints import BoundConstraint
+from .regex import ByteDFA
+
+if TYPE_CHECKING:
+    import torch
+
+#: Bytes of bitmask rows one (pattern, vocabulary) table may keep (least recently used dropped).
+MASK_BYTES = 64 << 20
+
+
+class TokenWalk:
+    """A vocabulary's text tokens laid out to be walked through a byte DFA all at once: the ids
+    of the tokens that have bytes and are not EOS, longest first, and for each byte position
+    ``k`` the ``k``-th byte of every token longer than ``k``. Shared by every pattern bound to
+    the same vocabulary."""
+
+    def __init__(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int) -> None:
+        eos = {int(e) for e in eos_ids}
+        n = min(len(byte_vocab), width)
+        ids = np.array([i for i in range(n) if byte_vocab[i] and i not in eos], dtype=np.int64)
+        lengths = np.array([len(byte_vocab[i]) for i in ids], dtype=np.int64)
+        order = np.argsort(-lengths, kind="stable")
+        self.ids = ids[order]
+        lengths = lengths[order]
+        buf = np.frombuffer(b"".join(bytes(byte_vocab[i]) for i in self.ids), dtype=np.uint8)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
+        longest = int(lengths[0]) if len(lengths) else 0
+        self.columns: list[np.ndarray] = []
+        for k in range(longest):
+            count = int(np.searchsorted(-lengths, -k, side="left"))  # tokens longer than k
+            self.columns.append(buf[starts[:count] + k].astype(np.int64))
+        self.eos = np.array(sorted(e for e in eos if 0 <= e < width), dtype=np.int64)
+        self.width = width
+        self.words = (width + 31) // 32
+
+    def allowed(self, dfa: ByteDFA, state: int) -> np.ndarray:
+        """Bool ``[32 * words]``: the tokens that may come next in ``state``."""
+        flat = dfa.table.reshape(-1)
+        cur = np.full(len(self.ids), state * 256, dtype=np.int64)
+        for k, col in enumerate(self.columns):
+            c = len(col)
+            cur[:c] = flat[cur[:c] + col] * 256
+            if k % 4 == 3 and not cur[:c].any():
+                break
+        mask = np.zeros(32 * self.words, dtype=bool)
+        mask[self.ids[cur != 0]] = True
+        if dfa.accept[state]:
+            mask[self.eos] = True
+        return mask
+
+
+def _pack_row(mask: np.ndarray) -> np.ndarray:
+    """Bool ``[32 * W]`` -> int32 ``[W]`` (bit ``j % 32`` of word ``j // 32`` is token ``j``)."""
+    return np.packbits(mask, bitorder="little").view(np.int32)
+
+
+class TokenMasks:
+    """The bitmask rows of one DFA over one vocabulary, filled per state on first use and kept
+    (up to ``max_rows``; thread-safe: runs on several threads may share it)."""
+
+    def __init__(self, dfa: ByteDFA, walk: TokenWalk, max_rows: int | None = None) -> None:
+        import torch
+
+        self.dfa = dfa
+        self.walk = walk
+        self._table = dfa.table.tolist()  # scalar walks (advance) index lists: faster than numpy
+        self.max_rows = max(1, max_rows if max_rows is not None else MASK_BYTES // (4 * walk.words))
+        self._rows = torch.zeros((min(64, self.max_rows), walk.words), dtype=torch.int32)
+        self._counts = np.zeros(self._rows.shape[0], dtype=np.int64)
+        self._where: OrderedDict[int, int] = OrderedDict()  # state -> row, least recently used first
+        self._free: list[int] = list(range(self._rows.shape[0] - 1, -1, -1))
+        self._lock = threading.Lock()
+        self.filled = 0  # states whose row was computed (again, after an eviction)
+        self.evicted = 0
+
+    def gather(self, states: Sequence[int], words: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The bitmask rows of ``states`` (``int32 [len(states), words]``, a new tensor on the
+        host) and the allowed-token count of each, filling rows for states met for the first
+        time."""
+        import torch
+
+        with self._lock:
+            where = self._where
+            need = dict.fromkeys(states)
+            for s in need:
+                if s in where:
+                    where.move_to_end(s)
+            for s in need:
+                if s not in where:
+                    self._fill(s, need)
+            idx = [where[s] for s in states]
+            rows = self._rows if words >= self._rows.shape[1] else self._rows[:, :words]
+            return rows.index_select(0, torch.tensor(idx, dtype=torch.int64)), self._counts[idx]
+
+    def _fill(self, state: int, keep: dict[int, None]) -> None:
+        import torch
+
+        if not self._free:
+            if self._rows.shape[0] < self.max_rows:
+                old = self._rows.shape[0]
+                new = min(self.max_rows, 2 * old)
+                grown = torch.zeros((new, self.walk.words), dtype=torch.int32)
+                grown[:old] = self._rows
+                self._rows = grown
+                self._counts = np.concatenate([self._counts, np.zeros(new - old, dtype=np.int64)])
+                self._free = list(range(new - 1, old - 1, -1))
+            else:
+                victim = next((s for s in self._where if s not in keep), None)
+                if victim is None:
+                    raise RuntimeError(
+                        f"a step needs more distinct automaton states than the mask table holds ({self.max_rows})"
+                    )
+                self._free.append(self._where.pop(victim))
+                self.evicted += 1
+        row = self._free.pop()
+        mask = self.walk.allowed(self.dfa, state)
+        self._rows[row] = torch.from_numpy(_pack_row(mask))
+        self._counts[row] = int(mask.sum())
+        self._where[state] = row
+        self.filled += 1
+
+    def step(self, state: int, data: bytes) -> int:
+        """The DFA state after ``data`` from ``state`` (0: dead)."""
+        table = self._table
+        for byte in data:
+            state = table[state][byte]
+            if not state:
+                return 0
+        return state
+
+
+class BoundAutomaton(BoundConstraint):
+    """A byte DFA bound to a vocabulary (see the module docstring); a state is an ``int``. One
+    per SMC run (its :attr:`seconds` are the run's); the mask table is shared."""
+
+    def __init__(self, masks: TokenMasks, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], what: str) -> None:
+        self.masks_table = masks
+        self.width = masks.walk.width
+        self._vocab = byte_vocab
+        self._eos = frozenset(int(e) for e in eos_ids)
+        self.what = what
+        self.seconds = 0.0
+        self.last_counts: np.ndarray | None = None
+
+    def initial(self) -> int:
+        return self.masks_table.dfa.start
+
+    def bitmasks(self, states: Sequence[int]) -> torch.Tensor:
+        return self.bitmasks_upto(states, self.width)
+
+    def bitmasks_upto(self, states: Sequence[int], width: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        words = max(1, (int(width) + 31) // 32)
+        bits, self.last_counts = self.masks_table.gather(states, words)
+        self.seconds += time.perf_counter() - t0
+        return bits
+
+    def advance(self, state: int, token: int) -> int:
+        return self.advance_many((state,), (token,))[0]
+
+    def advance_many(self, states: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        t0 = time.perf_counter()
+        out = []
+        vocab, step, eos = self._vocab, self.masks_table.step, self._eos
+        for state, token in zip(states, tokens, strict=True):
+            t = int(token)
+            data = vocab[t] if 0 <= t < min(len(vocab), self.width) else b""
+            nxt = step(state, data) if data and t not in eos else 0
+            if not nxt:
+                raise ValueError(f"{self.what}: token {t} is not allowed here (the mask allowed it?)")
+            out.append(nxt)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def copy(self, state: int) -> int:
+        return state

@@ -1,0 +1,180 @@
+"""Regex means Python's ``re.fullmatch``, and its token automaton keeps xgrammar's language.
+
+* Every string of up to 3 characters over an alphabet with ``\\n``, ``é``, ``ß``, ``٣``, ``_``,
+  ``-`` and digits is accepted by the byte DFA exactly when ``re.fullmatch`` accepts it, for a
+  few dozen patterns; the xgrammar fallback (the EBNF translation) agrees on up to 2 characters.
+* The token automaton's masks equal the xgrammar path's on thousands of random contexts over a
+  vocabulary with multi-byte tokens, tokens that end inside a character and tokens that cross
+  several parts of the pattern.
+* Refused constructs name themselves and the way out; the mask table's cap changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import numpy as np
+import pytest
+
+from genlm_vlm.smc import ConstraintError, Regex
+from genlm_vlm.smc.automaton import TokenMasks
+from genlm_vlm.smc.constraints import unpack_bits
+from genlm_vlm.smc.regex import compile_regex, utf8_sequences
+
+ALPHABET = ["a", "b", "Z", "0", "7", "_", "-", ".", " ", "\n", "é", "ß", "٣", "K", "\u212a", "😀"]
+
+PATTERNS = [
+    r".", r"a.b", r"\w+", r"\d", r"[\w.-]+", r"\W", r"\D", r"\s*", r"\S\S?", r"(?s).+", r"a|b|", r"[^a-z]*",
+    r"(ab)*", r"x{0}", r"[a-z]{2,3}", r"(?i)k", r"(?i)[a-z]+", r"(?i:ss)|ß", r"(?a)\w+", r"(?a)[\d\s]+",
+    r"^a$", r"\Aa?\Z", r"(?m)^a$", r"^a|b$", r"a*?b+?", r"(?:é|ß)\d?", r"[\d\s]", r"[^\W\d]", r".*", r"😀?",
+    r"[^\n]", r"(?x) a  b  # comment", r"[٠-٩]+", r"\d{2}", r"(?:Answer: )?.*", r"[\w.-]+@[\w-]+",
+]
+
+
+def _strings(n: int) -> list[str]:
+    return [""] + ["".join(t) for k in range(1, n + 1) for t in itertools.product(ALPHABET, repeat=k)]
+
+
+STRINGS3 = _strings(3)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_byte_dfa_is_re_fullmatch(pattern: str) -> None:
+    dfa = compile_regex(pattern).byte_dfa()
+    wrong = [s for s in STRINGS3 if dfa.matches(s.encode()) != (re.fullmatch(pattern, s) is not None)]
+    assert not wrong, f"{pattern!r} disagrees with re.fullmatch on {wrong[:5]}"
+
+
+def _byte_vocab() -> list[bytes]:
+    """EOS (id 0, no bytes), then every single byte: texts are walked byte by byte."""
+    return [b""] + [bytes([b]) for b in range(256)]
+
+
+def _accepts(bound, data: bytes) -> bool:
+    width = bound.width
+    state = bound.initial()
+    for byte in data:
+        if not unpack_bits(bound.bitmasks([state]), width)[0][1 + byte]:
+            return False
+        state = bound.advance(state, 1 + byte)
+    return bool(unpack_bits(bound.bitmasks([state]), width)[0][0])
+
+
+@pytest.mark.parametrize("pattern", PATTERNS[::3])
+def test_xgrammar_fallback_is_re_fullmatch(pattern: str) -> None:
+    """Past ``max_states`` the pattern runs on xgrammar as an EBNF translation: the same language."""
+    vocab = _byte_vocab()
+    fallback = Regex(pattern, max_states=2).bind(vocab, [0], len(vocab), {})
+    assert type(fallback).__name__ == "_Compiled"  # xgrammar's matcher, not the automaton
+    auto = Regex(pattern).bind(vocab, [0], len(vocab), {})
+    assert type(auto).__name__ == "BoundAutomaton"
+    for s in _strings(2):
+        want = re.fullmatch(pattern, s) is not None
+        assert _accepts(fallback, s.encode()) == want, (pattern, s)
+        assert _accepts(auto, s.encode()) == want, (pattern, s)
+
+
+def _mixed_vocab(rng: random.Random) -> list[bytes]:
+    """EOS, single bytes, whole characters, pieces that end or start inside a character, and
+    merges that cross from one kind of character to another."""
+    words = ["é", "ß", "٣", "😀", "ab", "a.b", "-_", "12", "\n", "Answer: ", "x@y", " é", "ab\n", "K\u212a"]
+    vocab: set[bytes] = {bytes([b]) for b in range(256)}
+    for w in words:
+        e = w.encode()
+        vocab.add(e)
+        for cut in range(1, len(e)):
+            vocab.add(e[:cut])
+            vocab.add(e[cut:])
+    for _ in range(200):
+        a, b = rng.choice(words).encode(), rng.choice(words).encode()
+        joined = a + b
+        i = rng.randrange(len(joined))
+        vocab.add(joined[i: i + rng.randrange(1, 6)])
+    vocab.discard(b"")
+    return [b""] + sorted(vocab)
+
+
+@pytest.mark.parametrize("pattern", [r"[\w.-]+@[\w-]+\.(?:com|org)", r"(?:Answer: )?[٠-٩\d]+", r"(?s).{0,6}",
+                                     r"(?:é|ß|ab)*\n?", r"[^\W\d_]+( [a-z]+)*"])
+def test_token_automaton_equals_xgrammar(pattern: str) -> None:
+    rng = random.Random(pattern)
+    vocab = _mixed_vocab(rng)
+    width = len(vocab) + 40  # padding columns past the vocabulary: never allowed
+    auto = Regex(pattern).bind(vocab, [0], width, {})
+    xgr = Regex(pattern, max_states=2).bind(vocab, [0], width, {})
+    contexts = 0
+    for _ in range(250):
+        sa, sx = auto.initial(), xgr.initial()
+        for _step in range(8):
+            ma = unpack_bits(auto.bitmasks([sa]), width)[0]
+            mx = unpack_bits(xgr.bitmasks([sx]), width)[0]
+            contexts += 1
+            assert np.array_equal(ma, mx), (pattern, np.flatnonzero(ma != mx)[:10])
+            choices = np.flatnonzero(ma[1:]) + 1
+            if not len(choices):
+                break
+            t = int(rng.choice(list(choices)))
+            sa, sx = auto.advance(sa, t), xgr.advance(sx, t)
+    assert contexts >= 1000
+
+
+def test_refusals_name_the_construct_and_the_way_out() -> None:
+    cases = {
+        r"a\b": "word boundary", r"(a)\1": "back-reference", r"(?=a)a": "look-ahead", r"(?!a)b": "look-around",
+        r"a^": "'^' away from the start", r"$a": "'$' away from the end", r"a*+": "possessive",
+        r"(?>a)": "atomic", r"(a)?(?(1)b|c)": "conditional", r"(a": "does not compile: missing )",
+    }
+    for pattern, what in cases.items():
+        with pytest.raises(ConstraintError, match=re.escape(what)):
+            Regex(pattern)
+    with pytest.raises(ConstraintError, match="fullmatch"):
+        Regex(r"\bword")
+    with pytest.raises(TypeError, match="pattern string"):
+        Regex(b"abc")  # type: ignore[arg-type]
+
+
+def test_empty_language_and_anchor_positions() -> None:
+    vocab = _byte_vocab()
+    with pytest.raises(ConstraintError, match="empty language"):
+        Regex(r"[^\s\S]").bind(vocab, [0], len(vocab), {})
+    for ok in (r"^(?:^a|b$)$", r"(?:^)?a", r"a(?:$)?"):
+        Regex(ok)  # anchors where they always hold
+
+
+def test_utf8_sequences_cover_each_code_point_once() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        lo = rng.randrange(0, 0x110000)
+        hi = min(0x10FFFF, lo + rng.randrange(0, 80000))
+        if lo <= 0xDFFF and hi >= 0xD800:
+            continue
+        seqs = list(utf8_sequences(lo, hi))
+        for c in rng.sample(range(lo, hi + 1), min(4, hi - lo + 1)) + [lo, hi]:
+            e = chr(c).encode()
+            hits = sum(len(s) == len(e) and all(a <= b <= z for b, (a, z) in zip(e, s, strict=True)) for s in seqs)
+            assert hits == 1, (lo, hi, c)
+
+
+def test_mask_table_cap_changes_nothing() -> None:
+    vocab = _mixed_vocab(random.Random(1))
+    pattern = r"[a-z]{0,12}"
+    small = Regex(pattern).bind(vocab, [0], len(vocab), {})
+    table = small.masks_table
+    small.masks_table = TokenMasks(table.dfa, table.walk, max_rows=2)  # rows evicted and found again
+    big = Regex(pattern).bind(vocab, [0], len(vocab), {})
+    rng = random.Random(2)
+    states_s, states_b = [small.initial()] * 4, [big.initial()] * 4
+    for _ in range(10):
+        bs, bb = small.bitmasks(states_s[:2]), big.bitmasks(states_b[:2])
+        assert bool((bs == bb).all())
+        ok = np.flatnonzero(unpack_bits(bb, len(vocab))[0][1:]) + 1
+        if not len(ok):
+            break
+        t = int(rng.choice(list(ok)))
+        states_s = [small.advance(states_s[0], t)] + states_s[:3]
+        states_b = [big.advance(states_b[0], t)] + states_b[:3]
+    assert small.masks_table.evicted > 0
+    with pytest.raises(ValueError, match="not allowed here"):
+        big.advance(big.initial(), 0)  # EOS is never a text token
