@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 #: Bytes of bitmask rows one (pattern, vocabulary) table may keep (least recently used dropped).
 MASK_BYTES = 64 << 20
+#: Past this many tokens still walking, a fill keeps only the live ones for the next byte.
+COMPACT_ABOVE = 8192
 
 
 class TokenWalk:
@@ -56,7 +58,7 @@ class TokenWalk:
         lengths = lengths[order]
         buf = np.frombuffer(b"".join(bytes(byte_vocab[i]) for i in self.ids), dtype=np.uint8)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
-        longest = int(lengths[0]) if len(lengths) else 0
+        longest = self.longest = int(lengths[0]) if len(lengths) else 0
         self.columns: list[np.ndarray] = []
         for k in range(longest):
             count = int(np.searchsorted(-lengths, -k, side="left"))  # tokens longer than k
@@ -69,11 +71,19 @@ class TokenWalk:
         """Bool ``[32 * words]``: the tokens that may come next in ``state``."""
         flat = dfa.table.reshape(-1)
         cur = np.full(len(self.ids), state * 256, dtype=np.int64)
-        for k, col in enumerate(self.columns):
-            c = len(col)
-            cur[:c] = flat[cur[:c] + col] * 256
-            if k % 4 == 3 and not cur[:c].any():
+        alive: np.ndarray | None = None  # positions still walking (None: all), ascending
+        for col in self.columns:
+            if alive is None:  # every token longer than this byte, dead or not: no bookkeeping
+                c = len(col)
+                cur[:c] = flat[cur[:c] + col] * 256
+                if c > COMPACT_ABOVE:  # a large vocabulary: walk on with the live tokens only
+                    alive = np.flatnonzero(cur[:c])
+                continue
+            a = alive[: np.searchsorted(alive, len(col))]
+            if not len(a):
                 break
+            cur[a] = flat[cur[a] + col[a]] * 256
+            alive = a[cur[a] != 0]
         mask = np.zeros(32 * self.words, dtype=bool)
         mask[self.ids[cur != 0]] = True
         if dfa.accept[state]:
@@ -96,13 +106,17 @@ class TokenMasks:
         self.dfa = dfa
         self.walk = walk
         self._table = dfa.table.tolist()  # scalar walks (advance) index lists: faster than numpy
+        #: A state's row key: states that allow the same tokens share a row (see
+        #: :meth:`~.regex.ByteDFA.classes_within`: ``[a-z]{1000}`` has 1,001 states but, over
+        #: tokens of at most 16 bytes, 17 rows).
+        self._key = dfa.classes_within(walk.longest).tolist()
         self.max_rows = max(1, max_rows if max_rows is not None else MASK_BYTES // (4 * walk.words))
         self._rows = torch.zeros((min(64, self.max_rows), walk.words), dtype=torch.int32)
         self._counts = np.zeros(self._rows.shape[0], dtype=np.int64)
-        self._where: OrderedDict[int, int] = OrderedDict()  # state -> row, least recently used first
+        self._where: OrderedDict[int, int] = OrderedDict()  # row key -> row, least recently used first
         self._free: list[int] = list(range(self._rows.shape[0] - 1, -1, -1))
         self._lock = threading.Lock()
-        self.filled = 0  # states whose row was computed (again, after an eviction)
+        self.filled = 0  # rows computed (again, after an eviction)
         self.evicted = 0
 
     def gather(self, states: Sequence[int], words: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -111,20 +125,22 @@ class TokenMasks:
         time."""
         import torch
 
+        key = self._key
+        keys = [key[s] for s in states]
         with self._lock:
             where = self._where
-            need = dict.fromkeys(states)
-            for s in need:
-                if s in where:
-                    where.move_to_end(s)
-            for s in need:
-                if s not in where:
-                    self._fill(s, need)
-            idx = [where[s] for s in states]
+            need = dict(zip(keys, states, strict=True))  # row key -> a state that has it
+            for k in need:
+                if k in where:
+                    where.move_to_end(k)
+            for k, s in need.items():
+                if k not in where:
+                    self._fill(k, s, need)
+            idx = [where[k] for k in keys]
             rows = self._rows if words >= self._rows.shape[1] else self._rows[:, :words]
             return rows.index_select(0, torch.tensor(idx, dtype=torch.int64)), self._counts[idx]
 
-    def _fill(self, state: int, keep: dict[int, None]) -> None:
+    def _fill(self, key: int, state: int, keep: dict[int, int]) -> None:
         import torch
 
         if not self._free:
@@ -148,7 +164,7 @@ class TokenMasks:
         mask = self.walk.allowed(self.dfa, state)
         self._rows[row] = torch.from_numpy(_pack_row(mask))
         self._counts[row] = int(mask.sum())
-        self._where[state] = row
+        self._where[key] = row
         self.filled += 1
 
     def step(self, state: int, data: bytes) -> int:

@@ -304,10 +304,7 @@ class Regex(Constraint):
         from . import regex
 
         if self._dfa is None:
-            try:
-                self._dfa = self._nfa.byte_dfa(self.max_states)
-            except regex.TooManyStates as e:
-                self._dfa = e
+            self._dfa = regex.byte_dfa(self.pattern, self.max_states)
         return None if isinstance(self._dfa, Exception) else self._dfa
 
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,

@@ -374,7 +374,32 @@ def compile_regex(pattern: str) -> CharNFA:
     nfa = CharNFA(b.eps, b.arcs, start, end)
     with _compiled_lock:
         _compiled[pattern] = nfa
+        while len(_compiled) > 256:
+            _compiled.pop(next(iter(_compiled)))
     return nfa
+
+
+_dfas: dict[tuple[str, int], Any] = {}
+
+
+def byte_dfa(pattern: str, max_states: int = MAX_DFA_STATES) -> ByteDFA | TooManyStates:
+    """:meth:`CharNFA.byte_dfa` of :func:`compile_regex`, or the :class:`TooManyStates` it
+    raised; cached per pattern and cap (the 64 patterns used last)."""
+    key = (pattern, max_states)
+    with _compiled_lock:
+        hit = _dfas.pop(key, None)
+        if hit is not None:
+            _dfas[key] = hit
+            return hit
+    try:
+        got: ByteDFA | TooManyStates = compile_regex(pattern).byte_dfa(max_states)
+    except TooManyStates as e:
+        got = e
+    with _compiled_lock:
+        _dfas[key] = got
+        while len(_dfas) > 64:
+            _dfas.pop(next(iter(_dfas)))
+    return got
 
 
 # ------------------------------------------------------------------------------ bytes
@@ -513,56 +538,107 @@ class ByteDFA:
     def matches(self, data: bytes) -> bool:
         return bool(self.accept[self.walk(data)])
 
+    def classes_within(self, k: int) -> np.ndarray:
+        """int64 ``[S]``: states in one class agree, for every byte string ``w`` of at most ``k``
+        bytes, on whether ``w`` leads to a live state (one from which a text can still be
+        accepted) and whether it leads to an accepting one. So two states of one class allow the
+        same tokens of up to ``k`` bytes, EOS included (Moore's refinement, ``k`` rounds, from
+        the live / accepting partition). The dead state is class 0."""
+        table, accept = self.table, self.accept
+        _, first = np.unique(table, axis=1, return_index=True)
+        compact = table[:, first]
+        live = _coreachable(compact, accept)
+        cls = np.where(live, np.where(accept, 2, 1), 0).astype(np.int64)
+        count = len(np.unique(cls))
+        for _ in range(k):
+            new, n_new = _refine(cls, compact)
+            if n_new == count:
+                break
+            cls, count = new, n_new
+        return cls - cls[0]  # the dead state's class is the smallest: 0
+
     def minimal(self) -> ByteDFA:
-        """The equivalent automaton with the fewest states (Moore's refinement, vectorised),
-        unreachable states dropped; the dead state stays 0."""
+        """The equivalent automaton with states that cannot reach acceptance merged into the
+        dead state 0, unreachable states dropped, and (up to :data:`MINIMISE_UP_TO` states)
+        equivalent states merged (Moore's refinement over the byte classes)."""
         table, accept = self.table, self.accept
         n = table.shape[0]
-        live = _coreachable(table, accept)
+        _, first = np.unique(table, axis=1, return_index=True)
+        compact = table[:, first]  # one column per byte class
+        live = _coreachable(compact, accept)
         cls = np.where(live, np.where(accept, 2, 1), 0).astype(np.int64)
-        while True:
-            sig = np.concatenate([cls[:, None], cls[table]], axis=1)
-            _, new = np.unique(sig, axis=0, return_inverse=True)
-            new = new.reshape(-1)
-            if len(np.unique(new)) == len(np.unique(cls)):
-                break
-            cls = new
-        # renumber: the dead class first (0), then in order of first appearance from the start
-        dead_cls = cls[0] if not live[0] else None
-        order: dict[int, int] = {}
-        if dead_cls is not None:
-            order[int(dead_cls)] = 0
-        else:  # pragma: no cover - state 0 is the empty subset, never live
-            order[-1] = 0
-        seen = [self.start]
+        if n <= MINIMISE_UP_TO:
+            count = len(np.unique(cls))
+            while True:
+                new, n_new = _refine(cls, compact)
+                if n_new == count:
+                    break
+                cls, count = new, n_new
+        else:  # only dead states merged
+            cls = np.where(live, np.arange(n) + 1, 0)
+        # renumber: dead first (0), then classes in order of discovery from the start
+        dead_cls = int(cls[0])
+        number = {dead_cls: 0}
         reach = np.zeros(n, dtype=bool)
+        todo = [self.start]
         reach[self.start] = True
-        while seen:
-            s = seen.pop()
+        while todo:
+            s = todo.pop()
             c = int(cls[s])
-            if c not in order:
-                order[c] = len(order)
-            for t in np.unique(table[s]):
+            if c not in number:
+                number[c] = len(number)
+            for t in np.unique(compact[s]):
                 if not reach[t]:
                     reach[t] = True
-                    seen.append(int(t))
-        m = len(order)
+                    todo.append(int(t))
+        lut = np.zeros(int(cls.max()) + 1, dtype=np.int32)
+        for c, k in number.items():
+            lut[c] = k
+        m = len(number)
         new_table = np.zeros((m, 256), dtype=np.int32)
         new_accept = np.zeros(m, dtype=bool)
-        for s in np.flatnonzero(reach):
-            c = order[int(cls[s])]
-            new_table[c] = [order[int(cls[t])] for t in table[s]]
-            new_accept[c] = bool(accept[s]) and bool(live[s])
+        rows = np.flatnonzero(reach & live)
+        new_table[lut[cls[rows]]] = lut[cls[table[rows]]]
+        new_accept[lut[cls[rows]]] = accept[rows]
         new_table[0] = 0
         new_accept[0] = False
-        return ByteDFA(new_table, new_accept, order[int(cls[self.start])])
+        return ByteDFA(new_table, new_accept, int(lut[cls[self.start]]))
+
+
+#: Automata up to this many states are minimised; larger ones only have their dead states merged.
+MINIMISE_UP_TO = 4096
+
+
+def _refine(cls: np.ndarray, compact: np.ndarray) -> tuple[np.ndarray, int]:
+    """One round of Moore's refinement: states stay together when their class and their
+    successors' classes agree. Class ids follow the order of the keys (the dead state, class 0
+    with dead successors, stays first)."""
+    keys = np.concatenate([cls[:, None], cls[compact]], axis=1)
+    order = np.lexsort(keys.T[::-1])
+    sk = keys[order]
+    new_group = np.ones(len(cls), dtype=bool)
+    new_group[1:] = (sk[1:] != sk[:-1]).any(axis=1)
+    ids = np.cumsum(new_group) - 1
+    new = np.empty(len(cls), dtype=np.int64)
+    new[order] = ids
+    return new, int(ids[-1] + 1)
 
 
 def _coreachable(table: np.ndarray, accept: np.ndarray) -> np.ndarray:
-    """States from which an accepting state can be reached."""
+    """States from which an accepting state can be reached (``table``: ``[S, k]``, any columns),
+    by a search backwards from the accepting states."""
+    n, k = table.shape
+    src = np.repeat(np.arange(n), k)
+    dst = table.reshape(-1)
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    starts = np.searchsorted(dst, np.arange(n + 1))
     good = accept.copy()
-    while True:
-        nxt = good | good[table].any(axis=1)
-        if (nxt == good).all():
-            return good
-        good = nxt
+    todo = list(np.flatnonzero(accept))
+    while todo:
+        t = todo.pop()
+        for s in src[starts[t]:starts[t + 1]]:
+            if not good[s]:
+                good[s] = True
+                todo.append(s)
+    return good
