@@ -24,8 +24,9 @@ PROMPT = "def main():\n    return"
 
 async def test_an_equal_new_condition_translates_and_compiles_nothing(gc, llama_lm):
     """bench_e2e's case: the program builds its PromptedLLM and condition again before every run
-    (new objects, equal content). The second run finds the translation by content and the
-    compiled grammar by its text: nothing is translated or compiled again. Counted, not timed."""
+    (new objects, equal content). The second run finds the translation by content, and the
+    compiled grammar by its text (BoolCFG) or the token automaton's mask rows by its content
+    (BoolFSA): nothing is translated, compiled or filled again. Counted, not timed."""
     from genlm_vlm import control
     from genlm_vlm.control import translate
 
@@ -40,17 +41,25 @@ async def test_an_equal_new_condition_translates_and_compiles_nothing(gc, llama_
             llm, f=b"".join)
         return gc.AWRS(llm, cond, seed=0)
 
+    from genlm_vlm.smc.api import bind_cache
+
+    def rows_filled() -> int:  # mask rows the model's token automata have computed
+        return sum(t.filled for t in bind_cache(llama_lm).get("dfa-masks", {}).values())
+
     for kind in ("fsa", "cfg"):
+        grammar = kind == "cfg"  # a BoolCFG compiles an xgrammar grammar; a BoolFSA is a token automaton
         before = translate.cache_counts()
         first = await control.smc(program(kind), 4, 0.5, 8, seed=1)
-        mid = translate.cache_counts()
-        assert mid["translated"] == before["translated"] + 1 and mid["compiled"] == before["compiled"] + 1
+        mid, filled = translate.cache_counts(), rows_filled()
+        assert mid["translated"] == before["translated"] + 1 and mid["compiled"] == before["compiled"] + grammar
         second = await control.smc(program(kind), 4, 0.5, 8, seed=1)
         after = translate.cache_counts()
         assert after["translated"] == mid["translated"], kind  # found by content: no translation
         assert after["compiled"] == mid["compiled"], kind  # found by its text: no compilation
         assert after["translation_hits"] == mid["translation_hits"] + 1
-        assert after["compile_hits"] == mid["compile_hits"] + 1
+        assert after["compile_hits"] == mid["compile_hits"] + grammar
+        if not grammar:  # the automaton's mask rows were kept for the model: none computed again
+            assert filled > 0 and rows_filled() == filled
         # the same run: same contexts and weights
         assert list(first.contexts) == list(second.contexts)
         assert np.array_equal(first.log_weights, second.log_weights)

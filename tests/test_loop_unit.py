@@ -294,7 +294,8 @@ def test_counters_are_kept_by_the_engine_thread(driver_core):
     st = driver.stats()
     assert st["engine_calls"] == 5 and st["engine_requests"] == 5 and st["engine_steps"] >= 5
     t = st["engine_time"]
-    assert set(t) == {"step_s", "host_s", "idle_s"} and all(v >= 0 for v in t.values())
+    assert set(t) == {"step_s", "host_s", "idle_s", "admit_s", "route_s"} and all(v >= 0 for v in t.values())
+    assert t["admit_s"] + t["route_s"] <= t["host_s"] + 1e-3  # two parts of the host's time
 
 
 def test_shutdown_fails_what_is_pending_and_frees_the_core():

@@ -177,4 +177,31 @@ def test_mask_table_cap_changes_nothing() -> None:
         states_b = [big.advance(states_b[0], t)] + states_b[:3]
     assert small.masks_table.evicted > 0
     with pytest.raises(ValueError, match="not allowed here"):
-        big.advance(big.initial(), 0)  # EOS is never a text token
+        big.advance(big.initial(), vocab.index(b"\n"))
+    ended = big.advance(big.initial(), 0)  # EOS where the text may end: nothing may follow
+    assert not bool(big.bitmasks([ended]).any())
+    with pytest.raises(ValueError, match="not allowed here"):
+        big.advance(ended, vocab.index(b"a"))
+    one = Regex("a").bind(vocab, [0], len(vocab), {})
+    with pytest.raises(ValueError, match="not allowed here"):
+        one.advance(one.initial(), 0)  # EOS where the text may not end yet
+
+
+def test_states_of_one_class_allow_the_same_tokens() -> None:
+    """Mask rows are shared by the states of one class (``classes_within`` the longest token):
+    check against walking each state on its own."""
+    from genlm_vlm.smc.automaton import TokenWalk
+
+    vocab = _mixed_vocab(random.Random(3))
+    walk = TokenWalk(vocab, [0], len(vocab))
+    for pattern in (r"[a-z ]{40}", r"(?:ab|é){3,9}\d?", r"[\w.-]+@[\w-]+\.(?:com|org)"):
+        dfa = compile_regex(pattern).byte_dfa()
+        cls = dfa.classes_within(walk.longest)
+        rows = {}
+        for s in range(dfa.n_states):
+            row = walk.allowed(dfa, s)
+            if cls[s] in rows:
+                assert np.array_equal(rows[cls[s]], row), (pattern, s)
+            rows[cls[s]] = row
+        if pattern == r"[a-z ]{40}":  # a counter: states further than the longest token from its end share one row
+            assert len(rows) <= walk.longest + 3 < dfa.n_states

@@ -109,6 +109,11 @@ def test_engine_run_is_byte_identical_to_the_reference(lm, kind):
     # one engine step per SMC step (no step spent waiting for the program)
     assert eng.stats["engine_rounds"] == eng.stats["steps"]
     assert lm.stats["engine_steps"] - steps0 >= eng.stats["steps"]
+    # where the run's time went on the engine thread, by part, and per round
+    spent, per = eng.stats["engine_time"], eng.stats["round_ms"]
+    assert spent["step_s"] > 0 and spent["route_s"] > 0 and spent["admit_s"] > 0
+    assert spent["admit_s"] + spent["route_s"] <= spent["host_s"] + 1e-6
+    assert per["step"] == pytest.approx(1e3 * spent["step_s"] / eng.stats["engine_rounds"], rel=1e-3, abs=1e-3)
 
 
 def test_resampling_forks_and_temperature(llama_lm):

@@ -155,6 +155,52 @@ def fsa_ebnf(fsa: Any, what: str = "BoolFSA") -> str:
     return "\n".join(lines) + "\n"
 
 
+def fsa_automaton(fsa: Any, what: str = "BoolFSA") -> Any:
+    """A byte-level ``BoolFSA`` as a :class:`~genlm_vlm.smc.automaton.ByteAutomaton`: its
+    epsilon-free automaton (``.wfsa.epsremove``) determinised and minimised over bytes, the
+    language unchanged (bytes that are not UTF-8 included, as genlm-control reads them). None
+    where the DFA would pass :data:`~genlm_vlm.smc.regex.MAX_DFA_STATES` states (the EBNF
+    translation runs on xgrammar then). Raises :class:`UntranslatableError`."""
+    from ..smc.automaton import ByteAutomaton
+    from ..smc.regex import ByteNFA, TooManyStates
+
+    machine = _live(fsa)
+    zero = machine.R.zero
+    number: dict[Any, int] = {}
+
+    def state(q: Any) -> int:
+        if q not in number:
+            number[q] = len(number) + 1  # 0: a fresh start with epsilon moves to every start
+        return number[q]
+
+    starts = [state(q) for q, w in machine.I if w != zero]
+    if not starts:
+        raise UntranslatableError(f"{what}: the language is empty (no string is accepted)")
+    finals = frozenset(state(q) for q, w in machine.F if w != zero)
+    arcs: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    todo = list(number)
+    seen = set(todo)
+    while todo:
+        q = todo.pop()
+        for byte, nxt, w in machine.arcs(q):
+            if w == zero:
+                continue
+            if not isinstance(byte, int) or not 0 <= byte <= 255:
+                raise UntranslatableError(
+                    f"{what}: arc label {byte!r} is not a byte (build it with to_bytes=True, the default)"
+                )
+            arcs[state(q)].append((byte, byte, state(nxt)))
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    n = len(number) + 1
+    nfa = ByteNFA([starts] + [[] for _ in range(n - 1)], [arcs.get(i, []) for i in range(n)], 0, finals)
+    try:
+        return ByteAutomaton(nfa.dfa(), f"translated {what}")
+    except TooManyStates:
+        return None
+
+
 # ------------------------------------------------------------------------------ BoolCFG
 def cfg_ebnf(cfg: Any, what: str = "BoolCFG") -> str:
     """The EBNF grammar (root rule ``root``) of a byte-level genlm-grammar CFG with ASCII
@@ -201,7 +247,7 @@ MAX_TRANSLATIONS = 256
 MAX_COMPILED = 64
 
 _lock = threading.Lock()
-_translations: OrderedDict[Hashable, str] = OrderedDict()
+_translations: OrderedDict[Hashable, Any] = OrderedDict()
 #: Attribute of a grammar compiler holding its compiled grammars by text.
 _KEPT = "_genlm_vlm_compiled"
 _counts = dict.fromkeys(("translated", "translation_hits", "compiled", "compile_hits"), 0)
@@ -247,24 +293,24 @@ def content_key(potential: Any) -> Hashable | None:
     return key
 
 
-def _translation(potential: Any, key: Hashable | None, translate: Any) -> str:
-    """The EBNF text of ``potential``: the one kept for ``key``, else ``translate(potential)``
-    (kept for ``key``; an :class:`UntranslatableError` is raised each time, never kept)."""
+def _translation(potential: Any, key: Hashable | None, translate: Any) -> Any:
+    """The translation of ``potential`` (an EBNF text, or a token automaton): the one kept for
+    ``key``, else ``translate(potential)`` (kept for ``key``; an :class:`UntranslatableError` is
+    raised each time, never kept)."""
     if key is not None:
         with _lock:
-            ebnf = _translations.get(key)
-            if ebnf is not None:
+            if key in _translations:  # None is kept too: "no token automaton for this one"
                 _translations.move_to_end(key)
                 _counts["translation_hits"] += 1
-                return ebnf
-    ebnf = translate(potential)
+                return _translations[key]
+    out = translate(potential)
     with _lock:
         _counts["translated"] += 1
         if key is not None:
-            _translations[key] = ebnf
+            _translations[key] = out
             while len(_translations) > MAX_TRANSLATIONS:
                 _translations.popitem(last=False)
-    return ebnf
+    return out
 
 
 def compiled_grammar(compiler: Any, ebnf: str) -> Any:
@@ -332,7 +378,10 @@ def condition_constraint(potential: Any, *, json_schema: bool = False) -> Any:
     if cached is not None and (kind != "Product" or json_schema):
         return cached
     if kind == "BoolFSA":
-        out: Any = TranslatedGrammar(_translation(potential, content_key(potential), fsa_ebnf), "BoolFSA")
+        key = content_key(potential)
+        out: Any = _translation(potential, None if key is None else ("automaton", key), fsa_automaton)
+        if out is None:  # too many states for a token automaton: xgrammar on the EBNF text
+            out = TranslatedGrammar(_translation(potential, key, fsa_ebnf), "BoolFSA")
     elif kind == "BoolCFG":
         out = TranslatedGrammar(_translation(potential, content_key(potential), cfg_ebnf), "BoolCFG")
     elif is_json_schema(potential):

@@ -100,6 +100,7 @@ class Burst:
         self.done = False
         self.rounds = 0
         self.seconds = 0.0
+        self.time_at_start = dict(loop._time)  # the engine thread's time by part when the run began
 
     def guarded(self, doing: str, fn: Any, *args: Any) -> None:
         """``fn(*args)``; whatever it raises fails this run alone (never the loop), and the
@@ -233,8 +234,12 @@ class Burst:
         self._release(self.sessions)  # the last round's idle sessions (nobody else joined them)
         self.sessions = set()
         if isinstance(getattr(value, "stats", None), dict):
+            spent = {k: v - self.time_at_start.get(k, 0.0) for k, v in self.loop._time.items()}
+            per = 1e3 / max(1, self.rounds)
             value.stats.update(engine_rounds=self.rounds, burst_host_s=round(self.seconds, 6),
-                               sessions_released=self.dropped)
+                               sessions_released=self.dropped,
+                               engine_time={f"{k}_s": round(v, 6) for k, v in spent.items()},
+                               round_ms={k: round(v * per, 4) for k, v in spent.items() if k != "idle"})
         self.loop.burst_ended(self, "finished")
         self._resolve(value, None)
 

@@ -40,6 +40,9 @@ class LoopPort(Protocol):
     _counts: dict[str, int]
     """The loop's engine counters (``engine_requests`` among them, ``stats()``)."""
 
+    _time: dict[str, float]
+    """The engine thread's wall time so far by part (``stats()["engine_time"]``), in seconds."""
+
     def lora_kind_busy(self, job: Job) -> bool:
         """Whether ``job`` must wait for the other kind (base model or adapter) to leave the
         engine."""

@@ -103,8 +103,11 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
         self._tokens = {"prefill": 0, "session": 0, "cached": 0, "scheduled": 0}
         self._prefix_cache = {"queries": 0, "hits": 0}
         # Wall time of the engine thread since the loop started, split three ways (seconds):
-        # inside core.step(), our own work, and waiting for work (the program's turn).
-        self._time = {"step": 0.0, "host": 0.0, "idle": 0.0}
+        # inside core.step(), our own work, and waiting for work (the program's turn). Two parts
+        # of "host" are also counted alone: "admit" (queued jobs made requests, caps and KV
+        # eviction before a step) and "route" (a step's outputs to their jobs: rows delivered,
+        # bursts' controllers and their next rounds queued).
+        self._time = {"step": 0.0, "host": 0.0, "idle": 0.0, "admit": 0.0, "route": 0.0}
         self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
         self._bursts: dict[int, Burst] = {}  # controller runs in progress, by id(job) (.bursts)
         self._burst_counts = dict.fromkeys(("started", "finished", "failed", "cancelled", "sessions_released"), 0)
@@ -128,6 +131,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
                 return
             if self._cache_suspect and not self._by_rid:
                 self._restore_prefix_cache()  # vLLM refused after the failure: again, before new work
+            ta = clock()
             self._admit()
             self._scoring.admit()
             if self._by_rid:
@@ -136,6 +140,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
                 self._enforce_caps()
                 self._evict_for_kv()
                 t0 = clock()
+                spent["admit"] += t0 - ta
                 spent["host"] += t0 - mark
                 self._step()
                 mark = clock()
@@ -280,7 +285,8 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
             self._time["step"] += clock() - t0
             self._after_failed_step(e)
             return
-        self._time["step"] += clock() - t0
+        t1 = clock()
+        self._time["step"] += t1 - t0
         self._counts["engine_steps"] += 1
         self._read_stats(result)
         if not result.executed:
@@ -289,6 +295,9 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
             self._stalls = 0
         self._route(result, core)
         self._outbox.flush()
+        routed = clock() - t1
+        self._time["route"] += routed
+        self._time["host"] += routed  # the loop counts host time up to the step, this after it
 
     def _route(self, result: StepResult, core: EngineCore) -> None:
         """Resolve the jobs whose requests finished in this step."""

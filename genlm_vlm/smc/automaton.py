@@ -26,11 +26,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .constraints import BoundConstraint
+from .constraints import BoundConstraint, Constraint, ConstraintError
 from .regex import ByteDFA
 
 if TYPE_CHECKING:
@@ -210,10 +210,14 @@ class BoundAutomaton(BoundConstraint):
         t0 = time.perf_counter()
         out = []
         vocab, step, eos = self._vocab, self.masks_table.step, self._eos
+        accept = self.masks_table.dfa.accept
         for state, token in zip(states, tokens, strict=True):
             t = int(token)
-            data = vocab[t] if 0 <= t < min(len(vocab), self.width) else b""
-            nxt = step(state, data) if data and t not in eos else 0
+            if t in eos and state and accept[state]:
+                out.append(0)  # the text ended: nothing may follow
+                continue
+            data = vocab[t] if 0 <= t < min(len(vocab), self.width) and t not in eos else b""
+            nxt = step(state, data) if data and state else 0
             if not nxt:
                 raise ValueError(f"{self.what}: token {t} is not allowed here (the mask allowed it?)")
             out.append(nxt)
@@ -222,3 +226,67 @@ class BoundAutomaton(BoundConstraint):
 
     def copy(self, state: int) -> int:
         return state
+
+
+def bind_dfa(dfa: ByteDFA, key: Any, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None, what: str) -> BoundAutomaton:
+    """``dfa`` bound to a vocabulary: its mask table is kept in ``cache`` under ``key`` (the
+    :data:`TABLES` bound last per cache), the vocabulary's :class:`TokenWalk` once per EOS ids and
+    width. Raises :class:`~.constraints.ConstraintError` where no token can start a text."""
+    if not eos_ids:
+        raise ConstraintError("the model has no EOS token id: give eos_token_ids= to smc()")
+    eos = tuple(int(e) for e in eos_ids)
+    cache = {} if cache is None else cache
+    tables = cache.setdefault("dfa-masks", OrderedDict())  # key -> TokenMasks, least recently bound first
+    full = (key, eos, width)
+    with _tables_lock:
+        masks = tables.get(full)
+        if masks is None:
+            walk = cache.get(("token-walk", eos, width))
+            if walk is None:
+                walk = cache[("token-walk", eos, width)] = TokenWalk(byte_vocab, eos, width)
+            masks = tables[full] = TokenMasks(dfa, walk)
+            while len(tables) > TABLES:
+                tables.popitem(last=False)
+        tables.move_to_end(full)
+    bound = BoundAutomaton(masks, byte_vocab, eos, what)
+    if not bool(bound.bitmasks([bound.initial()]).any()):
+        raise ConstraintError(f"{what}: no token of this vocabulary can start a match (empty language)")
+    bound.seconds = 0.0
+    return bound
+
+
+#: Mask tables (one per pattern or automaton) a model keeps; the least recently bound go first.
+TABLES = 8
+_tables_lock = threading.Lock()
+
+
+class ByteAutomaton(Constraint):
+    """Texts whose bytes ``dfa`` (a :class:`~.regex.ByteDFA`) accepts, then EOS: a byte-level
+    automaton as a token automaton (see the module docstring). ``name`` names it in messages."""
+
+    def __init__(self, dfa: ByteDFA, name: str = "ByteAutomaton") -> None:
+        if not isinstance(dfa, ByteDFA):
+            raise TypeError(f"ByteAutomaton needs a ByteDFA, got {type(dfa).__name__}")
+        self.dfa = dfa
+        self.name = name
+        self._key: str | None = None
+
+    def key(self) -> str:
+        """A digest of the automaton (equal automata, equal keys: their mask tables are shared)."""
+        if self._key is None:
+            import hashlib
+
+            h = hashlib.blake2b(digest_size=16)
+            h.update(np.ascontiguousarray(self.dfa.table).tobytes())
+            h.update(np.ascontiguousarray(self.dfa.accept).tobytes())
+            h.update(str(self.dfa.start).encode())
+            self._key = h.hexdigest()
+        return self._key
+
+    def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+             cache: dict[Any, Any] | None = None) -> BoundConstraint:
+        return bind_dfa(self.dfa, ("dfa", self.key()), byte_vocab, eos_ids, width, cache, self.describe())
+
+    def describe(self) -> str:
+        return self.name

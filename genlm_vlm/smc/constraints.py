@@ -25,7 +25,6 @@ import json
 import re
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -259,10 +258,6 @@ class _Grammarish(Constraint):
         return _Compiled(compiled, width, self.describe(), usable, fill)
 
 
-#: Patterns whose token mask tables a model keeps (least recently bound dropped first).
-REGEX_TABLES = 8
-
-
 class Regex(Constraint):
     """The generated text (the tokens' bytes, decoded as UTF-8) must match ``pattern`` as
     ``re.fullmatch(pattern, text)`` does, then EOS: Python's syntax and meaning (``.`` excludes
@@ -309,31 +304,13 @@ class Regex(Constraint):
 
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
-        from .automaton import BoundAutomaton, TokenMasks, TokenWalk
+        from .automaton import bind_dfa
 
         dfa = self.dfa()
         if dfa is None:
             return Grammar(ebnf=self._nfa.ebnf()).bind(byte_vocab, eos_ids, width, cache)
-        if not eos_ids:
-            raise ConstraintError("the model has no EOS token id: give eos_token_ids= to smc()")
-        eos = tuple(int(e) for e in eos_ids)
-        cache = {} if cache is None else cache
-        tables = cache.setdefault("regex-masks", OrderedDict())  # (pattern, ...) -> TokenMasks, LRU
-        key = (self.pattern, self.max_states, eos, width)
-        masks = tables.get(key)
-        if masks is None:
-            walk = cache.get(("token-walk", eos, width))
-            if walk is None:
-                walk = cache[("token-walk", eos, width)] = TokenWalk(byte_vocab, eos, width)
-            masks = tables[key] = TokenMasks(dfa, walk)
-            while len(tables) > REGEX_TABLES:
-                tables.popitem(last=False)
-        tables.move_to_end(key)
-        bound = BoundAutomaton(masks, byte_vocab, eos, self.describe())
-        if not bool(bound.bitmasks([bound.initial()]).any()):
-            raise ConstraintError(f"{self.describe()}: no token of this vocabulary can start a match (empty language)")
-        bound.seconds = 0.0
-        return bound
+        key = ("regex", self.pattern, self.max_states)
+        return bind_dfa(dfa, key, byte_vocab, eos_ids, width, cache, self.describe())
 
     def describe(self) -> str:
         return f"Regex({self.pattern!r})"
