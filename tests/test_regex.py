@@ -176,6 +176,7 @@ def test_mask_table_cap_changes_nothing() -> None:
         states_s = [small.advance(states_s[0], t)] + states_s[:3]
         states_b = [big.advance(states_b[0], t)] + states_b[:3]
     assert small.masks_table.evicted > 0
+
     with pytest.raises(ValueError, match="not allowed here"):
         big.advance(big.initial(), vocab.index(b"\n"))
     ended = big.advance(big.initial(), 0)  # EOS where the text may end: nothing may follow
@@ -185,6 +186,29 @@ def test_mask_table_cap_changes_nothing() -> None:
     one = Regex("a").bind(vocab, [0], len(vocab), {})
     with pytest.raises(ValueError, match="not allowed here"):
         one.advance(one.initial(), 0)  # EOS where the text may not end yet
+
+
+def test_bitmasks_on_a_device_and_counts() -> None:
+    """The table's copy on another device gives the same bits (``meta`` stands in for a GPU
+    where only shapes can be checked; the CPU copy path is the same code), and the counts the
+    automaton reports are the bitmasks' popcounts (the controller skips counting)."""
+    import torch
+
+    from genlm_vlm.smc.step import popcounts
+
+    vocab = _mixed_vocab(random.Random(4))
+    bound = Regex(r"(?:é|ab|\d)+").bind(vocab, [0], len(vocab), {})
+    s0 = bound.initial()
+    s1 = bound.advance(s0, vocab.index("é".encode()))
+    host = bound.bitmasks_upto([s0, s1, s1], len(vocab))
+    assert np.array_equal(bound.last_counts, popcounts(host))
+    on_meta = bound.bitmasks_on([s0, s1, s1], len(vocab), "meta")
+    assert on_meta.device.type == "meta" and on_meta.shape == host.shape
+    s2 = bound.advance(s1, vocab.index(b"1"))  # a new row after the copy was made: brought over
+    table = bound.masks_table
+    fresh = table._table_on(torch.device("meta"))
+    assert fresh.shape == table.table.shape and not table._stale[torch.device("meta")]
+    assert bool((bound.bitmasks_on([s2], len(vocab), "cpu") == bound.bitmasks_upto([s2], len(vocab))).all())
 
 
 def test_states_of_one_class_allow_the_same_tokens() -> None:

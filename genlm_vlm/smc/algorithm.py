@@ -146,6 +146,13 @@ def posterior_of(particles: Sequence[Particle]) -> dict[bytes, float]:
     return posterior
 
 
+def torch_index(index: list[int], device: Any) -> Any:
+    """``index`` as an int64 tensor on ``device`` (to index a tensor there)."""
+    import torch
+
+    return torch.tensor(index, dtype=torch.int64).to(device)
+
+
 def ancestors(weights: np.ndarray, method: str, rng: np.random.Generator) -> list[int]:
     """``len(weights)`` ancestor indices drawn from normalised ``weights``."""
     n = len(weights)
@@ -229,33 +236,39 @@ class SMCController(Controller):
         if self.device is not None and rows.device != self.device:
             rows = rows.to(self.device)
         rows = self._target_rows(rows)  # target_temperature: log_softmax(rows / tau), on the rows' device
-        bits = self._bitmasks(particles)
-        bits = self._last_token_masks(bits, particles)  # force_eos: the max_tokens-th token is EOS
+        bits, counts = self._bitmasks(particles, rows.device)
+        forced = self._last_token_masks(bits, particles)  # force_eos: the max_tokens-th token is EOS
+        if forced is not bits:
+            bits, counts = forced, None
         t1 = time.perf_counter()
         self.mask_seconds += t1 - t0
         u = self.rng.random(m)  # one per live particle, in particle order, whatever the path
         width = min(self.width, rows.shape[1])
-        tokens, incr = to_host(*propose(rows, bits, u, self.temperature, width=width))
+        tokens, incr = to_host(*propose(rows, bits, u, self.temperature, width=width, counts=counts))
         out = self._take(particles, tokens, incr)
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         return Decision(out, parents)
 
-    def _bitmasks(self, particles: Sequence[int]) -> Any:
-        """The constraint's bitmasks for ``particles``, filled once per distinct token history
-        (resampled copies share theirs: a state is a function of the tokens)."""
+    def _bitmasks(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
+        """The constraint's bitmasks for ``particles`` (on ``device`` where the constraint keeps
+        them there, else on the host) and their allowed-token counts where the constraint knows
+        them (else None), filled once per distinct token history (resampled copies share
+        theirs: a state is a function of the tokens)."""
         first: dict[int, int] = {}
         history = self.history
         index = [first.setdefault(history[i], len(first)) for i in particles]
-        width = self.width
+        width, c = self.width, self.constraint
         if len(first) == len(index):
-            return self.constraint.bitmasks_upto([self.states[i] for i in particles], width)
+            bits = c.bitmasks_on([self.states[i] for i in particles], width, device)
+            return bits, c.last_counts
         reps: dict[int, int] = {}
         for i, k in zip(particles, index, strict=True):
             reps.setdefault(k, i)
-        unique = self.constraint.bitmasks_upto([self.states[reps[k]] for k in range(len(first))], width)
-        return unique[index]
+        unique = c.bitmasks_on([self.states[reps[k]] for k in range(len(first))], width, device)
+        counts = c.last_counts
+        return unique[torch_index(index, unique.device)], None if counts is None else counts[index]
 
     def _target_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's rows: ``rows`` as they are, or ``log_softmax(rows / tau)`` (float32, as

@@ -118,11 +118,16 @@ class TokenMasks:
         self._lock = threading.Lock()
         self.filled = 0  # rows computed (again, after an eviction)
         self.evicted = 0
+        #: Copies of the table on other devices (the rows' device: a step's bitmasks are then
+        #: gathered there, only the row indices cross), with the rows changed since each was
+        #: brought up to date (None: copy it whole).
+        self._on: dict[Any, torch.Tensor] = {}
+        self._stale: dict[Any, set[int] | None] = {}
 
-    def gather(self, states: Sequence[int], words: int) -> tuple[torch.Tensor, np.ndarray]:
-        """The bitmask rows of ``states`` (``int32 [len(states), words]``, a new tensor on the
-        host) and the allowed-token count of each, filling rows for states met for the first
-        time."""
+    def gather(self, states: Sequence[int], words: int, device: Any = None) -> tuple[torch.Tensor, np.ndarray]:
+        """The bitmask rows of ``states`` (``int32 [len(states), words]``, a new tensor on
+        ``device``: the host by default) and the allowed-token count of each (host numpy),
+        filling rows for states met for the first time."""
         import torch
 
         key = self._key
@@ -137,8 +142,31 @@ class TokenMasks:
                 if k not in where:
                     self._fill(k, s, need)
             idx = [where[k] for k in keys]
-            rows = self._rows if words >= self._rows.shape[1] else self._rows[:, :words]
-            return rows.index_select(0, torch.tensor(idx, dtype=torch.int64)), self._counts[idx]
+            table = self._rows if device is None else self._table_on(torch.device(device))
+            rows = table if words >= table.shape[1] else table[:, :words]
+            at = torch.tensor(idx, dtype=torch.int64)
+            return rows.index_select(0, at.to(rows.device, non_blocking=True)), self._counts[idx]
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The host table: ``int32 [rows, words]``, one bitmask row per row key kept."""
+        return self._rows
+
+    def _table_on(self, device: Any) -> torch.Tensor:
+        """The table on ``device``, brought up to date (under the lock)."""
+        import torch
+
+        if device == self._rows.device:
+            return self._rows
+        copy = self._on.get(device)
+        stale = self._stale.get(device)
+        if copy is None or stale is None or copy.shape != self._rows.shape:
+            copy = self._on[device] = self._rows.to(device)
+        elif stale:
+            at = torch.tensor(sorted(stale), dtype=torch.int64)
+            copy.index_copy_(0, at.to(device), self._rows.index_select(0, at).to(device))
+        self._stale[device] = set()
+        return copy
 
     def _fill(self, key: int, state: int, keep: dict[int, int]) -> None:
         import torch
@@ -150,6 +178,7 @@ class TokenMasks:
                 grown = torch.zeros((new, self.walk.words), dtype=torch.int32)
                 grown[:old] = self._rows
                 self._rows = grown
+                self._stale = dict.fromkeys(self._stale)  # device copies: whole again
                 self._counts = np.concatenate([self._counts, np.zeros(new - old, dtype=np.int64)])
                 self._free = list(range(new - 1, old - 1, -1))
             else:
@@ -166,6 +195,9 @@ class TokenMasks:
         self._counts[row] = int(mask.sum())
         self._where[key] = row
         self.filled += 1
+        for stale in self._stale.values():
+            if stale is not None:
+                stale.add(row)
 
     def step(self, state: int, data: bytes) -> int:
         """The DFA state after ``data`` from ``state`` (0: dead)."""
@@ -197,9 +229,13 @@ class BoundAutomaton(BoundConstraint):
         return self.bitmasks_upto(states, self.width)
 
     def bitmasks_upto(self, states: Sequence[int], width: int) -> torch.Tensor:
+        return self.bitmasks_on(states, width, None)
+
+    def bitmasks_on(self, states: Sequence[int], width: int, device: Any) -> torch.Tensor:
+        """Gathered on ``device`` from the table's copy there (see :meth:`BoundConstraint.bitmasks_on`)."""
         t0 = time.perf_counter()
         words = max(1, (int(width) + 31) // 32)
-        bits, self.last_counts = self.masks_table.gather(states, words)
+        bits, self.last_counts = self.masks_table.gather(states, words, device)
         self.seconds += time.perf_counter() - t0
         return bits
 

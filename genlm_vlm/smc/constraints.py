@@ -72,6 +72,16 @@ class BoundConstraint(ABC):
         ``V`` saves allocating and copying the padding's words."""
         return self.bitmasks(states)
 
+    #: Allowed tokens per row of the last :meth:`bitmasks_upto` / :meth:`bitmasks_on` call
+    #: (int64 numpy ``[m]``), where the constraint knows them without counting; else None.
+    last_counts: np.ndarray | None = None
+
+    def bitmasks_on(self, states: Sequence[Any], width: int, device: Any) -> torch.Tensor:
+        """:meth:`bitmasks_upto` for a caller that wants the bitmasks on ``device`` (the rows'
+        device; None: the host). Default: computed on the host (the caller moves them). A
+        constraint that keeps its masks on the device returns them there without a host copy."""
+        return self.bitmasks_upto(states, width)
+
     def masks(self, states: Sequence[Any]) -> np.ndarray:
         """Bool ``[len(states), V]`` (numpy): the tokens allowed next in each state. Default:
         :meth:`bitmasks`, unpacked."""
