@@ -15,8 +15,9 @@ function); :meth:`Constraint.bind` compiles it against one model's vocabulary an
 The grammar constraints run on xgrammar (a dependency of vLLM): its compiled grammars, token
 bitmasks and ``GrammarMatcher.fork()``. The vocabulary is given as the model's ``byte_vocab``
 (one ``bytes`` per token id), so the same constraint binds to a real model, a tensor-parallel one,
-replicas or :class:`~genlm_vlm.MockAsyncLM` alike; tokens with no bytes (special tokens, padding
-columns) are never allowed, EOS excepted.
+replicas or :class:`~genlm_vlm.MockAsyncLM` alike; tokens with no bytes (padding columns, and the
+special and added tokens, which :func:`genlm_vlm.smc.api.text_vocab` hands over empty) are never
+allowed, by any constraint, EOS excepted.
 """
 
 from __future__ import annotations
