@@ -202,6 +202,19 @@ class Outbox:
         for i, w in enumerate(live):
             self.resolve_waiter(w, value if i == 0 else copy(value))
 
+    def resolve_rows(self, job: Job, row: torch.Tensor, out: torch.Tensor) -> None:
+        """Resolve every waiter of ``job`` still waiting with a row tensor of its own: a waiter on
+        the engine's device (:func:`on_engine_device`) ``row``, any other ``out`` (the row on
+        ``output_device``, or ``row`` itself); the first waiter of a tensor takes it, the others
+        copies of it."""
+        given: set[int] = set()
+        for w in [w for w in job.waiters if not w.done()]:
+            value = row if on_engine_device(w) else out
+            if id(value) in given:
+                value = value.clone()
+            given.add(id(value))
+            self.resolve_waiter(w, value)
+
     def resolve_waiter(self, w: Waiter, value: Any = None, exc: BaseException | None = None) -> None:
         """Resolve one waiter, unless it is done already (cancelled, or resolved)."""
         if type(w) is Ticket:

@@ -374,21 +374,14 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
             self._guarded(job, "delivering its row", self._end_row_job, job, row, there.get(id(job), row))
 
     def _end_row_job(self, job: Job, row: torch.Tensor, out: torch.Tensor) -> None:
-        """Resolve a row job: a waiter on the engine's device takes ``row``, any other ``out``
-        (``row`` on ``output_device``, or ``row`` itself where no copy was needed); the first
-        waiter of a tensor takes it, the others copies of it, so no two waiters share one."""
+        """Resolve a row job with ``row`` (engine's device) and ``out`` (``row`` on
+        ``output_device``, or ``row`` itself): :meth:`~.jobs.Outbox.resolve_rows`."""
         live = [w for w in job.waiters if not w.done()]
         if len(live) <= 1:
             self._end_job(job, row if live and on_engine_device(live[0]) else out)
-            return
-        given: set[int] = set()
-        for w in live:
-            value = row if on_engine_device(w) else out
-            if id(value) in given:
-                value = value.clone()
-            given.add(id(value))
-            self._outbox.resolve_waiter(w, value)
-        self._end_job(job)  # bookkeeping; every waiter is resolved already
+        else:
+            self._outbox.resolve_rows(job, row, out)
+            self._end_job(job)  # bookkeeping; every waiter is resolved already
 
     def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
         spec = job.spec
