@@ -102,6 +102,16 @@ class AsyncLM(ABC):
 
         return _fit(get_byte_vocab(self.tokenizer), self.vocab_size, b"")
 
+    @cached_property
+    def _special_ids(self) -> tuple[int, ...]:
+        """Ids below the logit width of the tokenizer's special and added tokens
+        (:func:`genlm_vlm.vocab.special_token_ids`): never part of a constrained text, EOS aside
+        (:mod:`genlm_vlm.smc` sees them as tokens with no bytes)."""
+        from .vocab import special_token_ids
+
+        n = self.vocab_size
+        return tuple(i for i in special_token_ids(self.tokenizer) if i < n)
+
     @property
     def byte_vocab(self) -> list[Any]:
         """Token ``i``'s bytes as ``byte_vocab[i]``: one entry per logit (``vocab_size``).

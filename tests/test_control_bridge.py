@@ -2,7 +2,8 @@
 Boolean conditions into xgrammar grammars (genlm_vlm.control.translate), on the tiny Llama.
 
 * masks: the translated grammar's token masks equal genlm-control's own ``cond.logw_next``
-  (finite vs -inf, EOS included) along random walks through each language;
+  (finite vs -inf, EOS included) along random walks through each language, but for the special
+  tokens, which genlm-control takes as their literal text and the engine never allows;
 * posterior: on an enumerable language, the bridge's pooled posterior matches the exact one and
   genlm-control's own (per-token) SMC within Monte Carlo error; its Z-hat is unbiased;
 * refusals: every part the bridge cannot run exactly raises a message naming it.
@@ -55,6 +56,7 @@ async def _walks(llm, cond, constraint, lm, *, walks: int, depth: int, seed: int
     bound = api.bind(lm, constraint_for(Plan(llm, [constraint])), tuple(eos))
     rng = np.random.default_rng(seed)
     width = lm.vocab_size
+    specials = [i for i in lm._special_ids if i not in eos]
     contexts = compared = 0
     for _ in range(walks):
         state, context = bound.initial(), []
@@ -65,6 +67,7 @@ async def _walks(llm, cond, constraint, lm, *, walks: int, depth: int, seed: int
             want = np.zeros(width, dtype=bool)
             for tok, w in zip(cond.vocab, weights[:-1], strict=True):
                 want[tok.token_id] = w > -np.inf
+            want[specials] = False  # genlm-control takes <s>, <pad> as their text; the engine never allows them
             want[eos] = weights[-1] > -np.inf
             bad = np.flatnonzero(got != want)
             assert not bad.size, (
@@ -218,6 +221,32 @@ async def test_bridge_posterior_matches_exact_and_genlm_control(gc, many_eos_llm
           f"TV(genlm-control, exact) {_tv(_pooled(theirs), exact):.3f}, mean Z-hat/Z {z_ratio:.3f}")
     # within the Monte Carlo error of genlm-control's own estimate (its distance to the truth)
     assert tv_theirs < _tv(_pooled(theirs), exact) + 0.1, (tv_theirs, pooled, _pooled(theirs))
+
+
+async def test_the_bridge_never_allows_a_special_token(gc, llm, llama_lm):
+    """genlm-control proposes ``<s>`` and ``<pad>`` as their literal text wherever its condition
+    allows that text; the bridge's constraint never allows them (the PromptedLLM's EOS aside),
+    with a condition or without one. Before, both masks allowed them and runs drew them."""
+    from genlm_vlm import control
+    from genlm_vlm.control.bridge import Plan, constraint_for
+    from genlm_vlm.control.translate import condition_constraint
+    from genlm_vlm.smc import api
+
+    eos = tuple(llm.token_maps.eos_idxs)
+    specials = [i for i in llama_lm.tokenizer.all_special_ids if i not in eos]
+    assert specials == [0, 2]
+    fsa = gc.BoolFSA.from_regex(r"[a-z<>/ ]+")
+    theirs = np.asarray((await fsa.coerce(llm, f=b"".join).logw_next([])).weights)
+    assert (theirs[:-1][[llm.vocab.index(llama_lm.byte_vocab[i]) for i in specials]] > -np.inf).all()
+    for conditions in ([], [condition_constraint(fsa)]):
+        bound = api.bind(llama_lm, constraint_for(Plan(llm, conditions)), eos)
+        assert not bound.masks([bound.initial()])[0][specials].any()
+    cond = gc.BoolFSA.from_regex(r"[<>sad/ ]+").coerce(llm, f=b"".join)
+    for sampler in (gc.direct_token_sampler(llm), gc.AWRS(llm, cond)):
+        seqs = await control.smc(sampler, 16, 0.5, 6, seed=1)
+        for context, _ in seqs:
+            ids = [t.token_id for t in context if t is not gc.EOS]
+            assert not set(ids) & set(specials), ids
 
 
 # ---------------------------------------------------------------------------------- refusals

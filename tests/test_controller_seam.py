@@ -339,6 +339,86 @@ async def test_an_exception_anywhere_in_a_run_fails_that_run_only(llama_lm, monk
     assert _faults(lm)["burst_errors"] == before + 1
 
 
+# ------------------------------------------------------------------------------ devices (issue 42, item 4)
+@pytest.fixture(scope="module")
+def meta_lm(model_paths):
+    """The tiny Llama delivering rows to ``output_device="meta"``: a stand-in, on the CPU, for an
+    output device other than the engine's (a burst's rows on meta carry no values and fail)."""
+    from conftest import ENGINE_OPTS, _engine
+
+    return _engine(model_paths["llama"], ENGINE_OPTS, output_device="meta")
+
+
+def _hold(lm):
+    """Block the engine thread (between two steps) until the returned gate is set: what is
+    submitted meanwhile is admitted together, so identical queries join one job."""
+    import concurrent.futures as cf
+
+    from genlm_vlm.engine.jobs import Call
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        gate.wait(TIMEOUT)
+
+    lm._driver._post(Call(hold, (), {}, cf.Future()))
+    assert entered.wait(TIMEOUT)
+    return gate
+
+
+class Devices(Argmax):
+    """:class:`Argmax` that records the device of every step's rows."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.devices = set()
+
+    def step(self, rows, particles):
+        self.devices.add(rows.device.type)
+        return super().step(rows, particles)
+
+
+async def test_joined_bursts_keep_their_rows_on_the_engines_device(meta_lm):
+    """Two runs on one prompt join each other's row jobs (every row of the first round, some of
+    the later ones): each still gets its rows on the engine's device and equals its solo run.
+    Before: the joined rows went to ``output_device`` (here meta) and the step failed (the issue
+    saw ``torch.stack`` refuse the mixed devices in 4 of 4 trials)."""
+    lm = meta_lm
+    prompt = _prompt(lm)
+    solo = [await lm.run_controller(prompt, Argmax(n, 4)) for n in (3, 1)]
+    gate = _hold(lm)
+    ctls = [Devices(3, 4), Devices(1, 4)]  # the second's contexts are among the first's
+    futs = [lm._submit_burst(prompt, c, None, None) for c in ctls]
+    gate.set()
+    got = [await asyncio.wait_for(asyncio.wrap_future(f), TIMEOUT) for f in futs]
+    assert got == solo
+    assert [c.devices for c in ctls] == [{"cpu"}, {"cpu"}]
+
+
+async def test_a_seeded_run_beside_a_joined_await_equals_its_solo_run(meta_lm):
+    """A seeded ``lm.smc`` run whose first row another caller asks for at the same time (the
+    await joins the run's job): the run's result is its solo run's, bit for bit, and the await
+    gets its own row on ``output_device``. Before: that row went to meta for both, and the run's
+    step ran there (on a GPU: on the CPU, a result that depended on other traffic)."""
+    from genlm_vlm.smc import api
+
+    lm = meta_lm
+    prompt = _prompt(lm)
+    solo = await lm.smc(prompt, Regex("[a-z ]+"), 8, 6, seed=9)
+    gate = _hold(lm)
+    _, controller = api.prepare(lm, prompt, Regex("[a-z ]+"), 8, 6, seed=9)  # what lm.smc runs
+    run = lm._submit_burst(prompt, controller, None, None)
+    [row] = lm._driver.submit_logprobs([(tuple(prompt), None)])  # admitted first: the run joins it
+    gate.set()
+    got = await asyncio.wait_for(asyncio.wrap_future(run), TIMEOUT)
+    row = await asyncio.wait_for(asyncio.wrap_future(row), TIMEOUT)
+    assert [(p.token_ids, p.log_weight, p.status) for p in got.particles] == \
+        [(p.token_ids, p.log_weight, p.status) for p in solo.particles]
+    assert got.log_marginal == solo.log_marginal
+    assert row.device.type == "meta" and row.shape == (lm.vocab_size,)
+
+
 # ------------------------------------------------------------------------------ pure parts
 def test_a_refused_decision_changes_nothing():
     """ParticleSet checks a whole decision before applying any of it; numpy/torch integers and

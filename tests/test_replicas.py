@@ -171,6 +171,7 @@ def test_pool_shape(pool):
     assert len(pool.actors) == 2 and pool.live_replicas == [0, 1]
     assert pool.vocab_size == V and pool.max_model_len == 512
     assert len(pool.byte_vocab) == V and pool.tokenizer.eos_token_id == 1
+    assert pool._special_ids == (0, 1, 2)  # the replicas' own list: never part of a constrained text
     assert pool.engine_info.mode == "sessions"
     pids = {info["pid"] for info in pool.replica_info}
     assert len(pids) == 2 and os.getpid() not in pids

@@ -32,16 +32,16 @@ def reference(rows: np.ndarray, mask: np.ndarray, u: np.ndarray, t: float) -> li
         if not math.isfinite(top):
             out.append((-1, -math.inf, math.inf))
             continue
-        if t < 1e-5:
+        if t == 0.0:
             j = int(np.argmax(vals))
             out.append((int(allowed[j]), float(vals[j]), math.inf))
             continue
-        z, zt = (vals, top) if t == 1.0 else (vals / t, top / t)
-        cdf = np.cumsum(np.exp(z - zt))
+        z = (vals - top) / t  # the shift first: exact for float32 values, no cancellation, no inf - inf
+        cdf = np.cumsum(np.exp(z))
         tot = float(cdf[-1])
         target = u[k] * tot
         j = min(int(np.searchsorted(cdf, target, side="right")), len(cdf) - 1)
-        inc = zt + math.log(tot) if t == 1.0 else float(vals[j]) - (float(z[j]) - zt - math.log(tot))
+        inc = float(vals[j]) - (float(z[j]) - math.log(tot))
         out.append((int(allowed[j]), inc, float(np.min(np.abs(cdf - target))) / tot))
     return out
 
@@ -102,6 +102,71 @@ def test_step_matches_float64_reference(density, t, path):
     chosen = chosen_path(path, mask, width, t)
     tol = 1e-9 if chosen in ("gather", "fused") or t == 0.0 else F32_REL
     assert check_against_reference(tok, inc, ref, rel=tol, tie=tol, abs_=tol) <= 1
+
+
+#: Temperatures far from 1 (issue 42, item 5): small (1e-5 was greedy's threshold; below it a
+#: temperature is no longer greedy), large, past float32's range (3.4e38), and float64's largest.
+EXTREME_T = [1e-300, 1e-7, 1e-5, 1e-3, 1e3, 1e39, 1e300, sys.float_info.max]
+
+
+@pytest.mark.parametrize("t", EXTREME_T)
+@pytest.mark.parametrize("path", ["dense", "gather", "fused", "auto"])
+def test_any_temperature_gives_the_float64_references_draws_and_weights(t, path):
+    """Every finite ``t > 0`` is a tempered proposal on every path: tokens equal away from ties,
+    increments within float32 ``exp``'s round-off (the CPU's dense path) or float64's (the others)
+    of the float64 reference. Rows with close entries (a spread of 1e-4 nats among the best) so
+    that small temperatures still split the mass, and rows with ``-inf`` entries. Before: the
+    dense path computed ``x / t`` in float32, off by up to 0.06 nats at ``t = 1e-5`` and
+    ``IndexError`` at ``1e39`` (``-inf / inf`` is NaN); every path computed ``x / t - top / t``,
+    NaN once ``x / t`` overflows (``t = 1e-300``); below 1e-5 the step was greedy."""
+    if path == "fused" and not C.fused_available():
+        pytest.skip(C.fused_error() or "no numba")
+    rng = np.random.default_rng(17)
+    for m, v, density in ((12, 3000, 0.5), (10, 9000, 0.05)):
+        rows, mask, u = random_case(rng, m, v, v, density)
+        rows[2:6, :] = torch.from_numpy(-5.0 - 1e-4 * rng.random((4, v))).float()  # near-ties at every t
+        rows[6, ::3] = -math.inf  # some entries of no probability, allowed or not
+        bits = S.pack(torch.from_numpy(mask))
+        tok, inc = S.to_host(*S.propose(rows.clone(), bits, u, t, width=v, path=path))
+        chosen = chosen_path(path, mask, v, t)
+        tol = F32_REL if chosen == "dense" else 1e-9
+        ref = reference(rows.numpy(), mask, u, t)
+        assert check_against_reference(tok, inc, ref, rel=tol, tie=tol, abs_=tol) <= 1
+        assert tok[0] == -1 and np.isfinite(inc[1:]).all()
+
+
+@pytest.mark.parametrize("tau", [1e-45, 1e-5, 1e3, 1e39, sys.float_info.max])
+def test_a_target_temperature_tempers_the_rows_exactly_at_any_tau(tau):
+    """``target_temperature`` rows (``log_softmax(rows / tau)``) equal a float64 numpy reference
+    to float32 round-off at any finite ``tau > 0``, ``-inf`` entries kept. Before: float32
+    ``rows / tau`` (NaN rows at 1e-45 and past 3.4e38, entries off by up to 0.06 nats at 1e-5)."""
+    import types
+
+    from genlm_vlm.smc.algorithm import SMCController
+
+    rng = np.random.default_rng(4)
+    rows = torch.log_softmax(torch.from_numpy(rng.standard_normal((5, 300)) * 3).float(), dim=1)
+    rows[1, ::4] = -math.inf
+    rows[2, :] = torch.from_numpy(-5.0 - 1e-4 * rng.random(300)).float()
+    got = SMCController._target_rows(types.SimpleNamespace(target_temperature=tau), rows).numpy()
+    x = rows.double().numpy()
+    z = (x - x.max(axis=1, keepdims=True)) / tau
+    ref = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    with np.errstate(over="ignore"):  # entries past float32's range are -inf there
+        ref32 = ref.astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(np.isneginf(got), np.isneginf(ref32))
+    finite = np.isfinite(ref32)
+    np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_temperature_zero_is_greedy_and_a_negative_or_infinite_one_is_refused():
+    rows, mask, u = random_case(np.random.default_rng(3), 4, 100, 100, 0.5)
+    bits = S.pack(torch.from_numpy(mask))
+    tok, inc = S.to_host(*S.propose(rows.clone(), bits, u, 0.0))
+    assert tok[2:] == [int(np.flatnonzero(mask[k])[np.argmax(rows[k].numpy()[mask[k]])]) for k in (2, 3)]
+    for bad in (-1e-9, math.inf, math.nan):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            S.propose(rows.clone(), bits, u, bad)
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -23,6 +23,7 @@ from genlm_vlm.vocab import (  # noqa: E402
     detect_vocab_kind,
     get_byte_vocab,
     get_str_vocab,
+    special_token_ids,
     unicode_to_bytes,
     unpadded_length,
 )
@@ -380,6 +381,20 @@ def test_added_tokens_byte_level() -> None:
         assert _join(vocab, ids) == text.encode(), text
 
 
+def test_special_token_ids_are_the_ids_written_as_their_text() -> None:
+    """Special tokens and added tokens that are not the model's own are listed; a token of the
+    model's own vocabulary marked as added is not (it keeps its bytes' meaning)."""
+    hf = PreTrainedTokenizerFast(tokenizer_object=_train_byte_level(), eos_token="<|endoftext|>")
+    e_acute = hf.convert_tokens_to_ids("é")
+    hf.add_tokens(["<|user|>", "é"])
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    ids = special_token_ids(hf)
+    want = {hf.convert_tokens_to_ids(t) for t in ["<|endoftext|>", "<|user|>", "<|im_start|>"]}
+    assert set(ids) == want and ids == sorted(ids) and e_acute not in ids
+    vocab = get_byte_vocab(hf)
+    assert all(vocab[i] for i in ids)  # written as their text in the byte vocabulary
+
+
 def test_added_tokens_sentencepiece_style() -> None:
     hf = PreTrainedTokenizerFast(
         tokenizer_object=_train_llama_style("first"),
@@ -592,6 +607,7 @@ def test_tekken(tekken_file: Path) -> None:
     vocab = get_byte_vocab(tk)
     assert len(vocab) == tk.n_words
     assert vocab[tk.bos_id] == b"<s>" and vocab[tk.eos_id] == b"</s>"
+    assert special_token_ids(tk) == list(range(tk.num_special_tokens))
     assert vocab[tk.num_special_tokens : tk.num_special_tokens + 256] == [
         bytes([b]) for b in range(256)
     ]
@@ -605,6 +621,7 @@ def test_tekken(tekken_file: Path) -> None:
     wrapped = MistralCommonBackend(tokenizer_path=str(tekken_file))
     assert detect_vocab_kind(wrapped) == "bytes"
     assert get_byte_vocab(wrapped) == vocab
+    assert special_token_ids(wrapped) == special_token_ids(tk)
     assert get_byte_vocab(wrapped, pad_to=len(vocab) + 5)[-5:] == [b""] * 5
     for text in TEXTS:
         ids = wrapped.encode(text, add_special_tokens=False)
@@ -620,6 +637,7 @@ def test_mistral_sentencepiece(spm_dir: Path) -> None:
     assert detect_vocab_kind(st) == "sentencepiece"
     vocab = get_byte_vocab(st)
     assert vocab[:3] == [b"<unk>", b"<s>", b"</s>"]
+    assert {0, 1, 2} <= set(special_token_ids(st)) and 3 not in special_token_ids(st)
     assert vocab[3:259] == [bytes([b]) for b in range(256)]
     for text in TEXTS:
         if text and not text.startswith(" "):

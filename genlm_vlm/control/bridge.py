@@ -158,10 +158,10 @@ def _check_padding(llm: Any) -> None:
     token with bytes or EOS): genlm-control proposes them as empty tokens wherever the condition
     can still be completed (with no condition, everywhere), and ``lm.smc`` never reads those
     columns (its controller stops at the usable width), so the targets would differ by their mass."""
-    from ..smc.api import bind_cache
+    from ..smc.api import bind_cache, text_vocab
 
     lm = llm.model
-    reach = _reach(lm._byte_strings, list(llm.token_maps.eos_idxs), lm.vocab_size, bind_cache(lm))
+    reach = _reach(text_vocab(lm), list(llm.token_maps.eos_idxs), lm.vocab_size, bind_cache(lm))
     padded = [i for i in _empty_ids(llm) if i >= reach]
     if padded:
         raise UntranslatableError(
@@ -312,21 +312,25 @@ def constraint_for(p: Plan) -> Constraint:
     llm = p.llm
     ids = [t.token_id for t in llm.vocab]
     width = llm.model.vocab_size
-    if not p.constraints:
+    empty = _empty_ids(llm)
+    if not p.constraints:  # a TokenMask allows no token without bytes: the empty ones come back below
         allowed = np.zeros(width, dtype=bool)
         allowed[ids] = True
         allowed[list(llm.token_maps.eos_idxs)] = True
-        return TokenMask(lambda states: np.repeat(allowed[None, :], len(states), axis=0), "PromptedLLM's vocabulary")
-    inner = p.constraints[0] if len(p.constraints) == 1 else AllOf(*p.constraints)
-    empty = _empty_ids(llm)
+        inner: Constraint = TokenMask(lambda states: np.repeat(allowed[None, :], len(states), axis=0),
+                                      "PromptedLLM's vocabulary")
+    else:
+        inner = p.constraints[0] if len(p.constraints) == 1 else AllOf(*p.constraints)
     return _WithEmptyTokens(inner, empty) if empty else inner
 
 
 def _empty_ids(llm: Any) -> list[int]:
-    """Ids of the ``PromptedLLM``'s vocabulary tokens that have no bytes. The model's ids with
-    no bytes are found once per model (kept on it); each run only looks those few up in the
-    ``PromptedLLM``'s own table (``lookup``), instead of scanning its whole vocabulary. (The
-    grammars read every token's bytes from the model too: ``lm._byte_strings``.)"""
+    """Ids of the ``PromptedLLM``'s vocabulary tokens that have no bytes (in the model's byte
+    vocabulary, where special tokens have their literal text: so none of these is a special
+    token, which no constraint allows). The model's ids with no bytes are found once per model
+    (kept on it); each run only looks those few up in the ``PromptedLLM``'s own table
+    (``lookup``), instead of scanning its whole vocabulary. (The grammars read every token's
+    bytes from the model too: :func:`~genlm_vlm.smc.api.text_vocab`.)"""
     lm = llm.model
     model_empty = lm.__dict__.get("_bridge_empty_ids")
     if model_empty is None:

@@ -149,8 +149,8 @@ class Burst:
         self.tickets = []
         self.jobs = jobs = []
         for ids in dict.fromkeys(self.want):
-            job = Job("logprobs", ids, self.job.lora, [], on_device=True)
-            t = Ticket(self._rows_in, ids, self._ticket_cancelled)
+            job = Job("logprobs", ids, self.job.lora, [])
+            t = Ticket(self._rows_in, ids, self._ticket_cancelled, on_device=True)
             t.job = job
             job.waiters.append(t)
             self.tickets.append(t)

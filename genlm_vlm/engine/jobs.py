@@ -66,15 +66,18 @@ class Ticket:
     :meth:`cancel` (any thread) abandons it: nothing is delivered for it, and the job's request
     is aborted once no waiter is left. ``cancelled`` is written by :meth:`cancel`, ``resolved``
     by the engine thread only. ``payload`` is the caller's (e.g. its own record of the query).
+    ``on_device``: a row is delivered where the engine made it, not on ``output_device`` (a
+    burst's ticket: its rows are read on the engine thread), whoever else waits for the same job.
     """
 
-    __slots__ = ("_on_cancel", "cancelled", "job", "listener", "payload", "resolved")
+    __slots__ = ("_on_cancel", "cancelled", "job", "listener", "on_device", "payload", "resolved")
 
     def __init__(self, listener: Listener, payload: Any = None,
-                 on_cancel: Callable[[Ticket], None] | None = None) -> None:
+                 on_cancel: Callable[[Ticket], None] | None = None, on_device: bool = False) -> None:
         self.listener = listener
         self.payload = payload
         self._on_cancel = on_cancel
+        self.on_device = on_device
         self.job: Job | None = None
         self.cancelled = False
         self.resolved = False
@@ -94,6 +97,12 @@ class Ticket:
 
 
 Waiter = cf.Future | Ticket
+
+
+def on_engine_device(w: Waiter) -> bool:
+    """Whether waiter ``w`` takes its row where the engine made it (a burst's ticket) rather than
+    on ``output_device``."""
+    return type(w) is Ticket and w.on_device
 
 
 @dataclass(eq=False, slots=True)
@@ -120,9 +129,6 @@ class Job:
     """``(parent request id, shared tokens)`` when the request was sent as a fork."""
     out: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    on_device: bool = False
-    """Deliver the row where the engine made it, not on ``output_device`` (a burst's row, read on
-    the engine thread), unless another waiter joined the job."""
 
     def __post_init__(self) -> None:
         self.adapter = adapter_key(self.lora)
@@ -195,6 +201,19 @@ class Outbox:
         live = [w for w in job.waiters if not w.done()]
         for i, w in enumerate(live):
             self.resolve_waiter(w, value if i == 0 else copy(value))
+
+    def resolve_rows(self, job: Job, row: torch.Tensor, out: torch.Tensor) -> None:
+        """Resolve every waiter of ``job`` still waiting with a row tensor of its own: a waiter on
+        the engine's device (:func:`on_engine_device`) ``row``, any other ``out`` (the row on
+        ``output_device``, or ``row`` itself); the first waiter of a tensor takes it, the others
+        copies of it."""
+        given: set[int] = set()
+        for w in [w for w in job.waiters if not w.done()]:
+            value = row if on_engine_device(w) else out
+            if id(value) in given:
+                value = value.clone()
+            given.add(id(value))
+            self.resolve_waiter(w, value)
 
     def resolve_waiter(self, w: Waiter, value: Any = None, exc: BaseException | None = None) -> None:
         """Resolve one waiter, unless it is done already (cancelled, or resolved)."""

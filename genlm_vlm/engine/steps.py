@@ -26,7 +26,17 @@ from .core import EngineCore, StepResult
 from .eviction import SessionEviction
 from .faults import FaultRecovery
 from .forks import count_fork
-from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, fail_messages
+from .jobs import (
+    Call,
+    Cancel,
+    Job,
+    Message,
+    Outbox,
+    PostJobs,
+    Stop,
+    fail_messages,
+    on_engine_device,
+)
 from .sampler import draw_token, seeded_generator
 from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
@@ -348,34 +358,39 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
         return None
 
     def _deliver(self, rows: list[tuple[Job, torch.Tensor]]) -> None:
-        """Resolve row jobs; every waiter gets a tensor of its own (the sink's tensor goes to
-        the first waiter, copies to the others)."""
+        """Resolve row jobs; every waiter gets a tensor of its own on its own device: a burst's
+        ticket (``on_device``) the row where the engine made it, any other waiter a row on
+        ``output_device``, whoever else joined the job (:meth:`_end_row_job`). The rows some
+        waiter wants on ``output_device`` move there together, in one copy."""
         device = self.output_device
-        if device is not None and rows[0][1].device != device:
-            stay: list[tuple[Job, torch.Tensor]] = []  # a burst's rows stay where the engine made them
-            move: list[tuple[Job, torch.Tensor]] = []
-            for job, r in rows:
-                (stay if job.on_device and len(job.waiters) == 1 else move).append((job, r))
-            rows = move
-            if rows:
+        there: dict[int, torch.Tensor] = {}  # id(job) -> its row on output_device
+        if device is not None:
+            move = [(job, r) for job, r in rows if r.device != device
+                    and any(not w.done() and not on_engine_device(w) for w in job.waiters)]
+            if move:
                 try:
-                    moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
-                    rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
+                    moved = torch.stack([r for _, r in move]).to(device).unbind(0)
+                    there = {id(job): r for (job, _), r in zip(move, moved, strict=True)}
                 except Exception:  # noqa: BLE001 - e.g. out of memory: row by row, a failure fails its job alone
-                    each = [(job, self._guarded(job, f"moving its row to {device}", r.to, device)) for job, r in rows]
-                    rows = [(job, r) for job, r in each if r is not None]
-            rows += stay
+                    for job, r in move:
+                        m = self._guarded(job, f"moving its row to {device}", r.to, device)
+                        if m is not None:
+                            there[id(job)] = m
+                    failed = {id(job) for job, _ in move} - there.keys()
+                    rows = [(job, r) for job, r in rows if id(job) not in failed]
         self._counts["rows"] += len(rows)
         for job, row in rows:
-            if len(job.waiters) > 1:
-                self._guarded(job, "delivering its row", self._end_job_shared, job, row)
-            else:
-                self._guarded(job, "delivering its row", self._end_job, job, row)
+            self._guarded(job, "delivering its row", self._end_row_job, job, row, there.get(id(job), row))
 
-    def _end_job_shared(self, job: Job, row: torch.Tensor) -> None:
-        """Resolve a job several waiters share, each with a tensor of its own."""
-        self._outbox.resolve_each(job, row, lambda r: r.clone())
-        self._end_job(job)  # bookkeeping; every waiter is resolved already
+    def _end_row_job(self, job: Job, row: torch.Tensor, out: torch.Tensor) -> None:
+        """Resolve a row job with ``row`` (engine's device) and ``out`` (``row`` on
+        ``output_device``, or ``row`` itself): :meth:`~.jobs.Outbox.resolve_rows`."""
+        live = [w for w in job.waiters if not w.done()]
+        if len(live) <= 1:
+            self._end_job(job, row if live and on_engine_device(live[0]) else out)
+        else:
+            self._outbox.resolve_rows(job, row, out)
+            self._end_job(job)  # bookkeeping; every waiter is resolved already
 
     def _next_seeded(self, job: Job, row: torch.Tensor) -> None:
         spec = job.spec

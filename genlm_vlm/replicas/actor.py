@@ -77,9 +77,10 @@ class ReplicaWorker:
         }
 
     async def vocabulary(self) -> dict[str, Any]:
-        """The tokenizer (as its saved files, else pickled) and each token id's bytes."""
+        """The tokenizer (as its saved files, else pickled), each token id's bytes and the ids of
+        the special and added tokens."""
         tok = self.lm.tokenizer
-        out: dict[str, Any] = {"byte_strings": list(self.lm._byte_strings)}
+        out: dict[str, Any] = {"byte_strings": list(self.lm._byte_strings), "special_ids": list(self.lm._special_ids)}
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 tok.save_pretrained(tmp)

@@ -227,7 +227,8 @@ class ReplicaPool(CallMixin, ServingLM):
                 self.tokenizer.name_or_path = model
             except Exception:  # noqa: BLE001 - cosmetic only
                 pass
-            self.__dict__["_byte_strings"] = vocab["byte_strings"]  # AsyncLM's cached property
+            self.__dict__["_byte_strings"] = vocab["byte_strings"]  # AsyncLM's cached properties
+            self.__dict__["_special_ids"] = tuple(vocab["special_ids"])
         except BaseException:
             for a in self._actors:
                 ray.kill(a)

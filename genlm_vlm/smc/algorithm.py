@@ -271,13 +271,19 @@ class SMCController(Controller):
         return unique[torch_index(index, unique.device)], None if counts is None else counts[index]
 
     def _target_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The target's rows: ``rows`` as they are, or ``log_softmax(rows / tau)`` (float32, as
-        genlm-control's ``PromptedLLM`` tempers) with ``target_temperature`` ``tau != 1``, on the
-        rows' device."""
+        """The target's rows: ``rows`` as they are, or ``log_softmax(rows / tau)`` (genlm-control's
+        ``PromptedLLM`` tempering) with ``target_temperature`` ``tau != 1``, on the rows' device:
+        computed in float64 as ``(rows - max) / tau`` (exact at any finite ``tau > 0``: no
+        ``-inf / inf`` or overflow, no cancellation at small ``tau``), returned in float32."""
         tau = self.target_temperature
         if tau == 1.0:
             return rows
-        return (rows.float() / tau).log_softmax(dim=-1)
+        import torch
+
+        x = rows.double()
+        top = x.amax(dim=-1, keepdim=True)
+        x = (x - torch.where(top > -math.inf, top, torch.zeros_like(top))) / tau
+        return x.log_softmax(dim=-1).float()
 
     def _last_token_masks(self, bits: torch.Tensor, particles: Sequence[int]) -> torch.Tensor:
         """With ``force_eos``: the bitmask rows of particles that have generated ``max_tokens - 1``

@@ -20,7 +20,8 @@ from .constraints import Constraint, as_constraint
 from .controller import drive
 from .product import check_options, criticise, criticise_sync, resolve_prompts
 
-__all__ = ["bind", "check_options", "criticise", "criticise_sync", "prepare", "resolve_prompts", "run", "smc"]
+__all__ = ["bind", "check_options", "criticise", "criticise_sync", "prepare", "resolve_prompts", "run", "smc",
+           "text_vocab"]
 
 
 def _eos_ids(lm: Any, eos_token_ids: Any) -> tuple[int, ...]:
@@ -40,10 +41,28 @@ def _eos_ids(lm: Any, eos_token_ids: Any) -> tuple[int, ...]:
 
 
 def bind(lm: Any, constraint: Any, eos: tuple[int, ...]) -> Any:
-    """``constraint`` compiled for ``lm``'s vocabulary (the grammar compiler for the vocabulary
-    and EOS ids is made once per model and kept with it)."""
+    """``constraint`` compiled for ``lm``'s vocabulary as constraints see it (:func:`text_vocab`;
+    the grammar compiler for the vocabulary and EOS ids is made once per model and kept with
+    it)."""
     c: Constraint = as_constraint(constraint)
-    return c.bind(lm._byte_strings, eos, lm.vocab_size, cache=bind_cache(lm))
+    return c.bind(text_vocab(lm), eos, lm.vocab_size, cache=bind_cache(lm))
+
+
+def text_vocab(lm: Any) -> list[bytes]:
+    """``lm``'s byte vocabulary as every constraint and the SMC bookkeeping see it: the special
+    and added tokens (``lm._special_ids``: ``<s>``, ``<|end_of_text|>``, chat markers, which the
+    byte vocabulary writes as their literal text) have no bytes, like the padding columns, so
+    no constraint ever allows them; only the EOS ids a run is given end a text. Made once per
+    model and kept in :func:`bind_cache`."""
+    cache = bind_cache(lm)
+    vocab = cache.get("text_vocab")
+    if vocab is None:
+        vocab = list(lm._byte_strings)
+        for i in lm._special_ids:
+            if 0 <= i < len(vocab):
+                vocab[i] = b""
+        cache["text_vocab"] = vocab
+    return vocab
 
 
 def bind_cache(lm: Any) -> dict[Any, Any]:
@@ -106,7 +125,7 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
     if not build:
         return prompt, None
     controller = SMCController(
-        bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=lm._byte_strings,
+        bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=text_vocab(lm),
         ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed, force_eos=force_eos,
         target_temperature=tau,
     )

@@ -15,8 +15,9 @@ function); :meth:`Constraint.bind` compiles it against one model's vocabulary an
 The grammar constraints run on xgrammar (a dependency of vLLM): its compiled grammars, token
 bitmasks and ``GrammarMatcher.fork()``. The vocabulary is given as the model's ``byte_vocab``
 (one ``bytes`` per token id), so the same constraint binds to a real model, a tensor-parallel one,
-replicas or :class:`~genlm_vlm.MockAsyncLM` alike; tokens with no bytes (special tokens, padding
-columns) are never allowed, EOS excepted.
+replicas or :class:`~genlm_vlm.MockAsyncLM` alike; tokens with no bytes (padding columns, and the
+special and added tokens, which :func:`genlm_vlm.smc.api.text_vocab` hands over empty) are never
+allowed, by any constraint, EOS excepted.
 """
 
 from __future__ import annotations
@@ -146,6 +147,19 @@ def usable_tokens(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: in
     usable[: len(byte_vocab)] = [bool(b) for b in byte_vocab[:width]]
     usable[[int(e) for e in eos_ids if 0 <= int(e) < width]] = True
     return usable
+
+
+def usable_bits(byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
+                cache: dict[Any, Any] | None = None) -> torch.Tensor:
+    """:func:`usable_tokens` as an ``int32 [ceil(width/32)]`` bitmask row, kept in ``cache`` (the
+    model's bind cache) per EOS ids and width."""
+    key = ("usable_bits", tuple(int(e) for e in eos_ids), width)
+    bits = None if cache is None else cache.get(key)
+    if bits is None:
+        bits = _pack(usable_tokens(byte_vocab, eos_ids, width)[None, :])[0]
+        if cache is not None:
+            cache[key] = bits
+    return bits
 
 
 def usable_width(byte_vocab: Sequence[bytes], eos_ids: Sequence[int]) -> int:
@@ -404,10 +418,14 @@ MaskFunction = Callable[[Sequence[tuple[int, ...]]], Any]
 
 
 class _BoundMask(BoundConstraint):
-    def __init__(self, fn: MaskFunction, width: int, what: str) -> None:
+    """A mask function's bitmasks, ANDed with ``usable`` (:func:`usable_bits`: tokens with bytes
+    and the EOS ids; None: as returned)."""
+
+    def __init__(self, fn: MaskFunction, width: int, what: str, usable: torch.Tensor | None = None) -> None:
         self.fn = fn
         self.width = width
         self.what = what
+        self.usable = usable
         self.seconds = 0.0
 
     def initial(self) -> tuple[int, ...]:
@@ -432,6 +450,8 @@ class _BoundMask(BoundConstraint):
                 f"{self.what} returned an array of dtype {dtype} and shape {tuple(t.shape)}; it must return "
                 f"bool [{m}, {self.width}] or an int32 bitmask [{m}, {words}] (one row per particle)"
             )
+        if self.usable is not None:  # special tokens and padding: never, whatever fn returned
+            bits &= self.usable
         self.seconds += time.perf_counter() - t0
         return bits
 
@@ -448,7 +468,9 @@ class TokenMask(Constraint):
     tensor ``[m, V]`` (True where a token may come next, EOS included where the particle may
     end), or the same as a token bitmask, ``int32 [m, ceil(V/32)]`` in xgrammar's layout (bit
     ``j % 32`` of word ``j // 32`` is token ``j``); numpy or torch, on any device. Columns past the
-    tokenizer's vocabulary (padding) are never allowed, whatever it returns. Vectorise it: it is
+    tokenizer's vocabulary (padding), special and added tokens (``<s>``, chat markers: tokens with
+    no bytes in the vocabulary given to :meth:`bind`) are never allowed, EOS ids excepted, whatever
+    it returns. Vectorise it: it is
     called once per step for all particles. An exception it raises fails the SMC run that
     called it, and nothing else."""
 
@@ -460,7 +482,7 @@ class TokenMask(Constraint):
 
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
-        bound = _BoundMask(self.fn, width, self.name)
+        bound = _BoundMask(self.fn, width, self.name, usable_bits(byte_vocab, eos_ids, width, cache))
         try:
             first = bound.bitmasks([()])
         except ValueError:

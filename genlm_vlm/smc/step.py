@@ -9,18 +9,23 @@ need to come back to the host.
 
 Per row, with ``A`` the allowed tokens and ``t`` the temperature:
 
-* ``t < 1e-5`` (greedy): the allowed token of highest log-probability (the first one on ties);
+* ``t = 0`` (greedy): the allowed token of highest log-probability (the first one on ties);
   the increment is its log-probability;
-* otherwise the proposal is ``q(x) ∝ exp(row[x] / t)`` on ``A``, drawn by inverse CDF from the
-  particle's uniform ``u`` (the first ``x`` whose cumulative mass exceeds ``u`` times the total);
-  the increment is ``row[x] - log q(x)``, which at ``t = 1`` is exactly ``logsumexp(row[A])``;
+* any other finite ``t > 0``, however small or large: the proposal is ``q(x) ∝ exp(row[x] / t)``
+  on ``A``, drawn by inverse CDF from the particle's uniform ``u`` (the first ``x`` whose
+  cumulative mass exceeds ``u`` times the total); the increment is ``row[x] - log q(x)``, which
+  at ``t = 1`` is exactly ``logsumexp(row[A])``. Every path computes the exponent as
+  ``(row[x] - s) / t`` with ``s`` a value of the row (its best allowed or usable entry): the
+  shift is exact where the mass is, so small temperatures lose nothing to cancellation (``row / t
+  - s / t`` in float32 was off by up to 0.06 nats at ``t = 1e-5``), and no temperature overflows
+  (``row / t`` in float32 was ``-0`` or NaN past ``t = 3.4e38``);
 * a row whose mask keeps no probability (no allowed token, or only ``-inf`` entries) gets token
   ``-1`` and increment ``-inf``: the particle dies.
 
 Columns at or past ``width`` (the tokenizer's real vocabulary; the model's padding columns) are
 never read, written or allowed.
 
-On float32 CPU rows at sampling temperatures, where numba is installed (vLLM requires it), the
+On float32 CPU rows at temperatures ``t > 0``, where numba is installed (vLLM requires it), the
 *fused* path runs (:func:`step_cpu.fused`): one compiled call per step, float64 to round-off, on
 rows of at most :data:`step_cpu.FUSED_ALWAYS_UPTO` usable columns and on wider ones whose densest
 mask allows at most a :data:`step_cpu.FUSED_DENSITY`-th of them. Otherwise two paths give the
@@ -29,14 +34,15 @@ same result up to float round-off, chosen by the masks' density (not by ``m x V`
 entries and works over them (a ``[m, most allowed]`` buffer, float64 after the gather). The dense
 path differs by device:
 
-* on the CPU at sampling temperatures (:func:`step_cpu.dense`) the rows are not written: float32
-  exponentials of the rows shifted by their best usable entry, times the mask as 0/1, summed in
-  float64 per block of :data:`step_cpu.CPU_BLOCK` columns; the draw finds the block, then the column.
-  Increments agree with a float64 computation to about one unit in the last place of the float32
-  rows divided by the temperature (the rows carry no more), and tokens agree away from targets that close to a boundary
+* on the CPU at ``t > 0`` (:func:`step_cpu.dense`) the rows are not written: float32
+  exponentials of the rows shifted by their best usable entry (float64 ones at temperatures
+  outside :data:`step_cpu.FLOAT32_TEMPERATURES`), times the mask as 0/1, summed in float64 per
+  block of :data:`step_cpu.CPU_BLOCK` columns; the draw finds the block, then the column.
+  Increments agree with a float64 computation to about 1e-6 relative (float32's ``exp``), at
+  every temperature, and tokens agree away from targets that close to a boundary
   (tests/test_smc_step.py). Masked entries cost no ``-inf`` arithmetic and no branch: on this
   project's CPU both were slower than the rest of the step together;
-* elsewhere (CUDA; greedy) the bitmask is applied to the rows in place (xgrammar's
+* elsewhere (CUDA; greedy, ``t = 0``) the bitmask is applied to the rows in place (xgrammar's
   ``apply_token_bitmask_inplace`` where xgrammar is installed, else an equal torch op), then
   float64 exponentials and one cumulative sum per row.
 
@@ -63,8 +69,6 @@ import torch
 
 from . import step_cpu
 
-#: Below this temperature the proposal is the point mass on the best allowed token.
-GREEDY_BELOW = 1e-5
 #: The gather path runs when the densest row allows at most ``width / GATHER_DENSITY`` tokens
 #: (``GATHER_DENSITY_CPU`` on the CPU: measured crossovers near 1/8 of the width on the GPU path's
 #: kernel count; near 1/10 on this project's CPU with the multiply-by-mask dense path, m = 32-128,
@@ -141,12 +145,12 @@ def _shifts(device: torch.device) -> torch.Tensor:
 
 def mask_kernel(device: Any, temperature: float = 0.0) -> str:
     """Which kernel the dense path of :func:`propose` uses to apply bitmasks on ``device`` at
-    ``temperature``: ``"multiply"`` (the CPU at sampling temperatures: the mask as 0/1 times the
+    ``temperature``: ``"multiply"`` (the CPU at temperatures > 0: the mask as 0/1 times the
     exponentials, the rows untouched), ``"xgrammar"`` (``apply_token_bitmask_inplace``) or
     ``"torch"`` (an equal torch op: xgrammar is not installed, or its kernel failed once on this
     device type)."""
     dev = torch.device(device)
-    if dev.type == "cpu" and temperature >= GREEDY_BELOW:
+    if dev.type == "cpu" and temperature > 0.0:
         return "multiply"
     return "torch" if _xgrammar_apply(dev.type) is None else "xgrammar"
 
@@ -262,7 +266,7 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
     device. ``uniforms``: ``m`` floats in ``[0, 1)`` (numpy or tensor; used in float64).
     ``width``: columns that may ever be allowed (default ``V``). ``counts``: allowed tokens per
     row if the caller already knows them (else counted from ``bits``). ``path``: ``"auto"``,
-    ``"fused"`` (float32 CPU rows at sampling temperatures, numba installed:
+    ``"fused"`` (float32 CPU rows at temperatures > 0, numba installed:
     :func:`step_cpu.fused`), ``"dense"`` or ``"gather"``; ``kernel``: ``"auto"`` or ``"torch"``
     (the dense path's mask kernel). Returns ``(tokens int64 [m], increments float64 [m])`` on the rows' device, token
     ``-1`` (increment ``-inf``) where the mask keeps no probability."""
@@ -279,7 +283,7 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
     b = _prepare_bits(bits, m, width)
     fusable = _fusable(device, t, rows.dtype)
     if path == "fused" and not fusable:
-        raise ValueError("path='fused' runs on float32 CPU rows at temperatures >= 1e-5 with numba installed"
+        raise ValueError("path='fused' runs on float32 CPU rows at temperatures > 0 with numba installed"
                          + (f" ({step_cpu.fused_error()})" if step_cpu.fused_error() else ""))
     narrow_fused = fusable and step_cpu.use_fused(width)  # choose_path needs no counts then
     if counts is None and (path == "gather" or (path == "auto" and not narrow_fused)):
@@ -308,7 +312,7 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
 
 def _fusable(device: torch.device, t: float, dtype: torch.dtype) -> bool:
     """Whether the fused CPU step can take rows of ``dtype`` on ``device`` at temperature ``t``."""
-    return device.type == "cpu" and t >= GREEDY_BELOW and dtype == torch.float32 and step_cpu.fused_available()
+    return device.type == "cpu" and t > 0.0 and dtype == torch.float32 and step_cpu.fused_available()
 
 
 def choose_path(counts: Any, width: int, device: Any, temperature: float = 1.0,
@@ -331,31 +335,35 @@ def _finish(alive: torch.Tensor, j: torch.Tensor, incr: torch.Tensor) -> tuple[t
     return tokens, torch.where(alive, incr, torch.full_like(incr, -math.inf))
 
 
-def _ztop(top: torch.Tensor, t: float, alive: torch.Tensor) -> torch.Tensor:
-    """The row's max of ``vals / t`` in float64 (0 for dead rows)."""
-    ztop = top.double() if t == 1.0 else top.double() / t
-    return torch.where(alive, ztop, torch.zeros_like(ztop))
+def _top(top: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    """The row's best allowed entry in float64 (0 for dead rows): the shift of the exponent."""
+    top = top.double()
+    return torch.where(alive, top, torch.zeros_like(top))
 
 
-def _cumulative(vals: torch.Tensor, t: float, ztop: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``cumsum(exp(vals / t - ztop))`` per row, float64 (into ``out`` if given)."""
+def _cumulative(vals: torch.Tensor, t: float, top: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cumsum(exp((vals - top) / t))`` per row, float64 (into ``out`` if given). The shift comes
+    before the division: ``vals / t - top / t`` would lose ``(vals - top) / t`` to cancellation
+    at small ``t`` and overflow (``inf - inf``) at the smallest."""
     z = vals.to(torch.float64) if out is None else out.copy_(vals)  # exact upcast (a mixed-dtype op is slower)
+    z.sub_(top[:, None])
     if t != 1.0:
         z.div_(t)
-    z.sub_(ztop[:, None])
     return z.exp_().cumsum_(dim=1)
 
 
-def _incr(xj: torch.Tensor, t: float, ztop: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
+def _incr(xj: torch.Tensor, t: float, top: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
+    """``x - log q(x)`` with ``q(x) = exp((x - top) / t) / tot`` (float64; at ``t = 1``:
+    ``top + log(tot)``, the masked logsumexp)."""
     if t == 1.0:
-        return ztop + torch.log(tot)
+        return top + torch.log(tot)
     x64 = xj.to(torch.float64)
-    return x64 - (x64 / t - ztop - torch.log(tot))
+    return x64 - ((x64 - top) / t - torch.log(tot))
 
 
 def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, width: int,
            kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if rows.device.type == "cpu" and t >= GREEDY_BELOW:  # no mask kernel: a multiply by the mask
+    if rows.device.type == "cpu" and t > 0.0:  # no mask kernel: a multiply by the mask
         j, tot, shift = step_cpu.dense(rows, bits, u, t, width)
         alive = tot > 0
         j = torch.where(alive, j, torch.zeros_like(j))
@@ -364,12 +372,12 @@ def _dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, wi
     apply_bitmask(rows, bits, width, kernel)
     top = x.amax(dim=1)
     alive = top > -math.inf
-    if t < GREEDY_BELOW:
+    if t == 0.0:
         j = x.argmax(dim=1)
         return _finish(alive, j, x.gather(1, j[:, None]).squeeze(1).to(torch.float64))
-    ztop = _ztop(top, t, alive)
-    j, tot = step_cpu.first_exceeding(_cumulative(x, t, ztop), u)
-    return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
+    shift = _top(top, alive)
+    j, tot = step_cpu.first_exceeding(_cumulative(x, t, shift), u)
+    return _finish(alive, j, _incr(x.gather(1, j[:, None]).squeeze(1), t, shift, tot))
 
 
 def _padded(rows: torch.Tensor, bits: torch.Tensor, width: int,
@@ -408,14 +416,14 @@ def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, w
         vals, cols = _padded(rows, bits, width, c)  # [m, most allowed]
     top = vals.amax(dim=1)
     alive = top > -math.inf
-    if t < GREEDY_BELOW:
+    if t == 0.0:
         j = vals.argmax(dim=1)
         tok = cols.gather(1, j[:, None]).squeeze(1)
         return _finish(alive, tok, vals.gather(1, j[:, None]).squeeze(1).to(torch.float64))
-    ztop = _ztop(top, t, alive)
-    j, tot = step_cpu.first_exceeding(_cumulative(vals, t, ztop), u)
+    shift = _top(top, alive)
+    j, tot = step_cpu.first_exceeding(_cumulative(vals, t, shift), u)
     tok = cols.gather(1, j[:, None]).squeeze(1)
-    return _finish(alive, tok, _incr(vals.gather(1, j[:, None]).squeeze(1), t, ztop, tot))
+    return _finish(alive, tok, _incr(vals.gather(1, j[:, None]).squeeze(1), t, shift, tot))
 
 
 def to_host(tokens: torch.Tensor, incr: torch.Tensor) -> tuple[list[int], np.ndarray]:

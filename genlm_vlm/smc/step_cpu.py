@@ -1,4 +1,4 @@
-"""The SMC step's dense path on the CPU at sampling temperatures (see genlm_vlm/smc/step.py).
+"""The SMC step's dense path on the CPU at temperatures > 0 (see genlm_vlm/smc/step.py).
 
 :func:`dense` computes, for ``m`` rows of float32 log-probabilities, the inverse-CDF draw from
 ``q(x) ∝ exp(row[x] / t)`` on each row's allowed tokens without writing the rows: float32
@@ -31,6 +31,10 @@ CPU_FLAT_UPTO = 4096
 CPU_RESHIFT_BELOW = 2.0**-40
 #: The exponentials' dtype. float64 gives float64 increments and cost 1.5x on this CPU.
 CPU_EXP_DTYPE = torch.float32
+#: Temperatures at which :data:`CPU_EXP_DTYPE` float32 holds the exponent ``(x - shift) / t`` to
+#: float32 round-off (``t`` well inside float32's normal range); outside them the exponentials are
+#: float64 (float32 would turn ``t`` into 0 or ``inf``: ``0 / 0`` and ``-inf / inf`` are NaN).
+FLOAT32_TEMPERATURES = (2.0**-60, 2.0**60)
 _workspace = threading.local()
 
 
@@ -54,15 +58,17 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     """The draw for ``rows`` (float32 ``[m, V]``, not written) under ``bits`` (int32 bitmasks,
     cleared past ``width``), uniforms ``u`` (float64 ``[m]``) and temperature ``t > 0``.
     Returns ``(column int64 [m], total float64 [m], shift float64 [m])``: the row's mass on its
-    allowed tokens is ``total * exp(shift)`` in units of ``exp(x / t)``; ``total == 0``: the row
+    allowed tokens is ``total`` in units of ``exp((x - shift) / t)``; ``total == 0``: the row
     keeps no probability (its column is meaningless).
 
-    Per row chunk, in per-thread buffers: ``e = exp(x / t - s)`` in float32 with ``t s`` the
-    row's best usable log-probability (so ``e <= 1``, no overflow, and no ``-inf`` entries, which
-    take a slow path in the vectorised ``exp``), times the mask as 0/1 (a multiply: a
-    ``masked_fill`` branches on every entry), then the masses per block of :data:`CPU_BLOCK`
-    columns in float64. A row whose allowed mass is below :data:`CPU_RESHIFT_BELOW` is recomputed
-    with the best *allowed* log-probability as ``s``. The draw: the first block whose cumulative
+    Per row chunk, in per-thread buffers: ``e = exp((x - s) / t)`` in float32 (float64 at
+    temperatures outside :data:`FLOAT32_TEMPERATURES`) with ``s`` the row's best usable
+    log-probability (so ``e <= 1``, no overflow, and no ``-inf`` entries, which take a slow path
+    in the vectorised ``exp``; the shift comes before the division, which ``x / t - s / t`` would
+    lose to cancellation at small ``t``), times the mask as 0/1 (a multiply: a ``masked_fill``
+    branches on every entry), then the masses per block of :data:`CPU_BLOCK` columns in float64.
+    A row whose allowed mass is below :data:`CPU_RESHIFT_BELOW` is recomputed with the best
+    *allowed* log-probability as ``s``. The draw: the first block whose cumulative
     mass exceeds ``u`` times the total, then the first column inside it (float64 cumulative sums;
     a target that rounds past the block's mass takes its last allowed column)."""
     m = rows.shape[0]
@@ -72,7 +78,9 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     wp = nb * block
     step = max(1, CPU_CHUNK // wp)
     shift = x.amax(dim=1).to(torch.float64)
-    shift = torch.where(shift > -math.inf, shift, torch.zeros_like(shift)) / t  # row of -inf: any shift
+    shift = torch.where(shift > -math.inf, shift, torch.zeros_like(shift))  # row of -inf: any shift
+    lo, hi = FLOAT32_TEMPERATURES
+    dtype = CPU_EXP_DTYPE if lo <= t <= hi else torch.float64
     masses = _buffer("masses", m * nb, torch.float64).view(m, nb)  # scratch: no fresh pages per step
     picks = _buffer("picks", m * block, torch.float64).view(m, block)
     j = torch.empty(m, dtype=torch.int64)
@@ -80,8 +88,8 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
         k = r1 - r0
-        keep = _buffer("keep", k * wp, CPU_EXP_DTYPE).view(k, wp)
-        e = _buffer("e", k * wp, CPU_EXP_DTYPE).view(k, wp)
+        keep = _buffer("keep", k * wp, dtype).view(k, wp)
+        e = _buffer("e", k * wp, dtype).view(k, wp)
         if wp > width:  # the last block's columns past width: no mass (buffers are reused)
             keep[:, width:].zero_()
             e[:, width:].zero_()
@@ -93,7 +101,7 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
             for i in low.nonzero().flatten().tolist():
                 best = torch.where(keep[i, :width] > 0, x[r0 + i], -math.inf).amax()
                 if best > -math.inf:
-                    shift[r0 + i] = best.double() / t
+                    shift[r0 + i] = best.double()
                     _masses(x[r0 + i:r0 + i + 1], keep[i:i + 1], shift[r0 + i:r0 + i + 1], t, e[i:i + 1],
                             bm[i:i + 1], block, clamp=True)
         if nb == 1:  # narrow rows: one cumulative sum over the row
@@ -106,15 +114,19 @@ def dense(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
 
 def _masses(x: torch.Tensor, keep: torch.Tensor, shift: torch.Tensor, t: float, e: torch.Tensor,
             out: torch.Tensor, block: int, clamp: bool = False) -> None:
-    """``e[:, :width] = exp(x / t - shift) * keep`` (the exponent clamped to ``<= 0`` first
-    where masked entries may exceed the shift) and ``out`` = float64 mass per block of ``e``."""
+    """``e[:, :width] = exp((x - shift) / t) * keep`` in ``e``'s dtype (the exponent clamped to
+    ``<= 0`` first where masked entries may exceed the shift) and ``out`` = float64 mass per block
+    of ``e``. ``shift`` holds values of the rows (float32 ones), so ``x - shift`` is exact
+    wherever the two are within a factor of 2: the entries near the shift, which carry the mass."""
     k, width = x.shape
     ev = e[:, :width]
-    if t == 1.0:
+    if ev.dtype == x.dtype:
         torch.sub(x, shift[:, None].to(ev.dtype), out=ev)
-    else:
-        torch.div(x, t, out=ev)
-        ev.sub_(shift[:, None].to(ev.dtype))
+    else:  # float64 exponentials of float32 rows: the exact upcast first
+        ev.copy_(x)
+        ev.sub_(shift[:, None])
+    if t != 1.0:
+        ev.div_(t)
     if clamp:
         ev.clamp_(max=0.0)
     ev.exp_()
@@ -241,9 +253,9 @@ def _kernel(x, bits, width, u, t, tok, incr, vals, cum, pow2):  # pragma: no cov
             tok[r] = -1
             incr[r] = -np.inf
             continue
-        shift = np.float64(top) / t
-        for k in range(n):  # exp(x / t - shift) <= 1, in one loop the compiler vectorises
-            z = np.float64(vals[k]) / t - shift  # (t == 1: the division is exact)
+        shift = np.float64(top)
+        for k in range(n):  # exp((x - shift) / t) <= 1, in one loop the compiler vectorises
+            z = (np.float64(vals[k]) - shift) / t  # shift first: exact (float32 values), no inf - inf
             y = max(z, _EXP_FLOOR)
             kf = math.floor(y * _INV_LN2 + 0.5)
             h = (y - kf * _LN2_HI) - kf * _LN2_LO  # y = kf ln 2 + h, |h| <= ln(2) / 2
@@ -282,7 +294,7 @@ def _kernel(x, bits, width, u, t, tok, incr, vals, cum, pow2):  # pragma: no cov
             incr[r] = shift + math.log(c)
         else:
             xj = np.float64(x[r, j])
-            incr[r] = xj - (xj / t - shift - math.log(c))
+            incr[r] = xj - ((xj - shift) / t - math.log(c))
 
 
 def _compile() -> object:
@@ -311,9 +323,9 @@ def use_fused(width: int, counts: object = None) -> bool:
 
 def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
           width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole step in one compiled call, on the CPU at sampling temperatures: per row, the
+    """The whole step in one compiled call, on the CPU at temperatures > 0: per row, the
     allowed entries compacted from the bitmask, the shift by their best entry, ``float64``
-    ``exp(x / t - shift)`` (a vectorised polynomial within an ulp of libm's: :func:`_taylor`)
+    ``exp((x - shift) / t)`` (a vectorised polynomial within an ulp of libm's: :func:`_taylor`)
     and its running sum, the inverse-CDF draw by bisection and the increment. The gather path's
     float64 arithmetic but for the exponential: tokens equal away from ties, increments within
     float64 round-off (tests/test_smc_step.py). No torch operation runs; the rows are not written;

@@ -83,7 +83,7 @@ from .families import SPIECE_UNDERLINE as SPIECE_UNDERLINE
 from .families import VocabKind
 from .padding import PaddedText, unpadded_length
 from .table import _decode_vocab as _decode_vocab
-from .table import detect_vocab_kind, get_byte_vocab, get_str_vocab
+from .table import detect_vocab_kind, get_byte_vocab, get_str_vocab, special_token_ids
 from .token import Token, token_class, tokens_of
 
 __all__ = [
@@ -94,6 +94,7 @@ __all__ = [
     "detect_vocab_kind",
     "get_byte_vocab",
     "get_str_vocab",
+    "special_token_ids",
     "token_class",
     "tokens_of",
     "unicode_to_bytes",

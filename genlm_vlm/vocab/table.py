@@ -236,6 +236,42 @@ def get_byte_vocab(tokenizer: Any, pad_to: int | None = None) -> list[bytes]:
     return vocab
 
 
+def special_token_ids(tokenizer: Any) -> list[int]:
+    """Return the ids of ``tokenizer``'s special and added tokens, ascending: those that stand
+    for no text of their own.
+
+    These are the ids :func:`get_byte_vocab` writes as their literal text: every special token
+    (``<s>``, ``<|end_of_text|>``, padding, chat markers) and every added token that is not just
+    a token of the model's own vocabulary marked as added (same id, same string: that one keeps
+    the model's meaning and is not listed), plus the tokenizer's ``all_special_ids``. For a
+    ``mistral_common`` tokenizer: its control tokens (``special_ids``) and sentencepiece's
+    ``<unk>``. A constrained text never
+    contains them (:meth:`genlm_vlm.AsyncLM.smc` ends a text only with the EOS ids it is given).
+    """
+    ids: set[int] = set()
+    backend = _backend(tokenizer)
+    inner = _mistral_inner(tokenizer) if backend is None else None
+    if inner is not None:
+        special = getattr(inner, "special_ids", None)
+        if special is None:
+            special = range(int(getattr(inner, "num_special_tokens", 0) or 0))
+        ids.update(int(i) for i in special)
+        unk = getattr(getattr(inner, "_model", None), "unk_id", None)  # sentencepiece's <unk>: not a control token
+        if callable(unk) and int(unk()) >= 0:
+            ids.add(int(unk()))
+    else:
+        for token_id, token in _added_tokens(tokenizer, backend).items():
+            content = str(getattr(token, "content", token))
+            if bool(getattr(token, "special", False)) or not _in_model_vocab(tokenizer, backend, token_id, content):
+                ids.add(int(token_id))
+    try:
+        listed = getattr(tokenizer, "all_special_ids", None)
+    except Exception:  # noqa: BLE001 - e.g. a wrapper that does not implement it
+        listed = None
+    ids.update(int(i) for i in listed or () if isinstance(i, int) and i >= 0)
+    return sorted(ids)
+
+
 def get_str_vocab(tokenizer: Any, pad_to: int | None = None, errors: str = "replace") -> list[str]:
     """Return :func:`get_byte_vocab` decoded to ``str``.
 
