@@ -30,6 +30,7 @@ from .jobs import Call, Cancel, Job, Message, Outbox, PostJobs, Stop, fail_messa
 from .sampler import draw_token, seeded_generator
 from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
+from .transfer import move_rows
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +351,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
             rows = move
             if rows:
                 try:
-                    moved = torch.stack([r for _, r in rows]).to(device).unbind(0)
+                    moved = move_rows([r for _, r in rows], device)  # pinned + async from CUDA to CPU
                     rows = [(job, r) for (job, _), r in zip(rows, moved, strict=True)]
                 except Exception:  # noqa: BLE001 - e.g. out of memory: row by row, a failure fails its job alone
                     each = [(job, self._guarded(job, f"moving its row to {device}", r.to, device)) for job, r in rows]
