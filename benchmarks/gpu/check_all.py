@@ -420,12 +420,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_config_only(args: argparse.Namespace) -> int:
     """A model folder with ``config.json`` and a tokenizer but no weights (vLLM's
     ``load_format="dummy"`` draws them): the Llama-3-8B shape without writing 16 GB."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", HERE / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = gc
-    spec.loader.exec_module(gc)
+    from benchmarks.gpu import gpu_models as gc
     from genlm_vlm.testing import _train_tokenizer
 
     dest = pathlib.Path(model_path(args.model, args.models_dir))
