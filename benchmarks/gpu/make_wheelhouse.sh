@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu/make_wheelhouse.sh                 # download + split
 #   bash benchmarks/gpu/make_wheelhouse.sh --from-dir D    # no network: pack D/*
 #   bash benchmarks/gpu/make_wheelhouse.sh --skip-download # re-split ./wheelhouse
+#   bash benchmarks/gpu/make_wheelhouse.sh --resolve       # only check the pins against PyPI
 #
 # Outputs (both gitignored):
 #   <wheelhouse>/*.whl, SHA256SUMS, requirements-offline.txt, BUILD_INFO
@@ -13,34 +14,39 @@
 #
 # Options:
 #   --requirements FILE   pinned deps (default: requirements-offline.txt here)
-#   --vllm-version VER    vllm wheel to add (default 0.25.0; "" = none)
+#   --vllm-version VER    vllm wheel to add (default 0.32.0; "" = none)
 #   --wheelhouse DIR      default: benchmarks/gpu/wheelhouse
 #   --parts-dir DIR       default: benchmarks/gpu/parts
 #   --from-dir DIR        copy DIR/* into the wheelhouse instead of downloading
 #   --skip-download       keep the wheelhouse as it is (no network)
-#   --split-size SIZE     split -b size (default 59m; must stay < 60 MiB)
-#   --max-part-bytes N    fail if any part is larger (default 62914560 = 60 MiB)
+#   --split-size SIZE     split -b size (default 56m: a part plus the working tree fits
+#                         one 64 MiB transfer)
+#   --max-part-bytes N    fail if any part is larger (default 58720256 = 56 MiB)
 #   --python-version V    target CPython (default 3.12)
 #   --no-check            skip the dependency-closure check of the wheels
-#   --compress xz|none    default xz: wheels are rewritten with stored (not
-#                         deflated) members, then the tar is xz-compressed;
-#                         ~25% fewer bytes to move, ~10 min of CPU here
+#   --compress none|xz    default none (a part moves in ~6 s; xz saves ~25 % of
+#                         the parts for ~20 min of CPU here and ~1 min on the host);
+#                         xz rewrites the wheels with stored (not deflated) members
+#                         first, then xz-compresses the tar
 #   --xz-level N          xz preset (default 6)
 #   --pip CMD             pip command (default: "python3 -m pip")
+#   --resolve             resolve vllm==VER for the target with pip (--dry-run, no
+#                         wheels downloaded) and compare the pins with it; no build
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REQS="$HERE/requirements-offline.txt"
-VLLM_VERSION="0.25.0"
+VLLM_VERSION="0.32.0"
 WHEELHOUSE="$HERE/wheelhouse"
 PARTS="$HERE/parts"
 FROM_DIR=""
 SKIP_DOWNLOAD=0
-SPLIT_SIZE="59m"
-MAX_PART_BYTES=$((60 * 1024 * 1024))
+SPLIT_SIZE="56m"
+MAX_PART_BYTES=$((56 * 1024 * 1024))
 PYVER="3.12"
 CHECK=1
-COMPRESS="xz"
+COMPRESS="none"
+RESOLVE=0
 XZ_LEVEL=6
 PIP="${PIP:-python3 -m pip}"
 TAR_NAME="genlm_wheelhouse.tar"
@@ -62,6 +68,7 @@ while [[ $# -gt 0 ]]; do
     --compress) COMPRESS="$2"; shift 2 ;;
     --xz-level) XZ_LEVEL="$2"; shift 2 ;;
     --pip) PIP="$2"; shift 2 ;;
+    --resolve) RESOLVE=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//;$d'; exit 0 ;;
     *) die "unknown option: $1" ;;
   esac
@@ -84,6 +91,17 @@ platform_args() {  # $1 = highest glibc minor
   echo "--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64"
 }
 BASE_GLIBC_MINOR=28
+
+if [[ "$RESOLVE" == 1 ]]; then
+  REPORT="$(mktemp "${TMPDIR:-/tmp}/genlm_resolve.XXXXXX.json")"
+  echo "== pip install --dry-run --report: vllm==$VLLM_VERSION for CPython $PYVER (metadata only)"
+  # shellcheck disable=SC2046
+  $PIP install --dry-run --ignore-installed --quiet --report "$REPORT" --only-binary=:all: \
+    --python-version "$PYVER" --implementation cp --abi "$PYABI" $(platform_args 31) \
+    --target "$(dirname "$REPORT")/genlm_resolve_target" "vllm==$VLLM_VERSION"
+  python3 "$HERE/wheelhouse_tool.py" pins --report "$REPORT" --requirements "$REQS"
+  exit $?
+fi
 
 # ---------------------------------------------------------------- 1. collect
 mkdir -p "$WHEELHOUSE"

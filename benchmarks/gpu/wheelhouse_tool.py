@@ -6,8 +6,12 @@ Subcommands
 closure     Check a downloaded wheelhouse against requirements-offline.txt:
             every pinned line has a wheel, and every Requires-Dist of every
             shipped wheel (markers evaluated for the target interpreter) is
-            satisfied by another shipped wheel or by a ``# host:`` line.
+            satisfied by another shipped wheel, a ``# host:`` line or a
+            ``# skip:`` line (required but not needed at run time).
             Also lists which of vLLM's own Requires-Dist are not shipped.
+pins        Compare the shipped pins with a pip resolution report
+            (``pip install --dry-run --report``): pins that differ, and
+            resolved packages that are neither shipped, host nor skipped.
 host-check  On the GPU host: check the ``# host:`` packages are installed at
             acceptable versions (warns; ``--strict`` makes it an error).
 install     Minimal wheel installer (unzip into a target folder) for hosts
@@ -49,7 +53,7 @@ except ImportError:  # pragma: no cover - only on hosts without `packaging`
     )
     from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore[no-redef]
 
-HOST_PREFIX = re.compile(r"^#\s*host:\s*(?P<req>\S.*?)\s*$")
+HOST_PREFIX = re.compile(r"^#\s*(?P<kind>host|skip):\s*(?P<req>[^#]*?)\s*(#.*)?$")
 
 
 def target_env(python_version: str) -> dict[str, str]:
@@ -70,14 +74,18 @@ def target_env(python_version: str) -> dict[str, str]:
     }
 
 
-def parse_requirements(path: Path) -> tuple[list[Requirement], list[Requirement]]:
-    """Return (shipped, host_provided) requirements from requirements-offline.txt."""
+def parse_requirements(
+    path: Path, with_skipped: bool = False
+) -> tuple[list[Requirement], list[Requirement]]:
+    """Return (shipped, host_provided) requirements from requirements-offline.txt; with
+    ``with_skipped`` the ``# skip:`` lines count as host-provided (for the closure check)."""
     shipped: list[Requirement] = []
     host: list[Requirement] = []
     for raw in path.read_text().splitlines():
         m = HOST_PREFIX.match(raw.strip())
         if m:
-            host.append(Requirement(m.group("req")))
+            if m.group("kind") == "host" or with_skipped:
+                host.append(Requirement(m.group("req")))
             continue
         line = raw.split("#", 1)[0].strip()
         if line:
@@ -107,7 +115,7 @@ def _applies(req: Requirement, env: dict[str, str]) -> bool:
 
 def cmd_closure(args: argparse.Namespace) -> int:
     env = target_env(args.python_version)
-    shipped, host = parse_requirements(Path(args.requirements))
+    shipped, host = parse_requirements(Path(args.requirements), with_skipped=True)
     host_names = {canonicalize_name(r.name): r for r in host}
     wheels: dict[str, tuple[str, list[str], str]] = {}
     for whl in sorted(Path(args.wheelhouse).glob("*.whl")):
@@ -157,6 +165,30 @@ def cmd_closure(args: argparse.Namespace) -> int:
         return 1
     print("closure OK: every shipped wheel's dependencies are shipped or host-provided")
     return 0
+
+
+def cmd_pins(args: argparse.Namespace) -> int:
+    import json
+
+    report = json.loads(Path(args.report).read_text())
+    resolved = {
+        canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]
+    }
+    shipped, host = parse_requirements(Path(args.requirements), with_skipped=True)
+    differ = 0
+    for req in shipped:
+        got = resolved.get(canonicalize_name(req.name))
+        if got is None:
+            print(f"not in the resolution: {req}")
+            differ += 1
+        elif not req.specifier.contains(got, prereleases=True):
+            print(f"pin {req} but the resolution has {got}")
+            differ += 1
+    listed = {canonicalize_name(r.name) for r in shipped + host} | {canonicalize_name(args.main)}
+    extra = sorted(set(resolved) - listed)
+    print(f"resolved but not shipped ({len(extra)}): {' '.join(f'{n}=={resolved[n]}' for n in extra)}")
+    print("pins agree with the resolution" if not differ else f"{differ} pin(s) differ")
+    return 1 if differ else 0
 
 
 def _installed_version(name: str) -> str | None:
@@ -326,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--python-version", default="3.12")
     c.add_argument("--main", default="vllm", help="distribution added outside the file")
     c.set_defaults(func=cmd_closure)
+
+    pn = sub.add_parser("pins")
+    pn.add_argument("--report", required=True, help="pip install --dry-run --report JSON")
+    pn.add_argument("--requirements", required=True)
+    pn.add_argument("--main", default="vllm")
+    pn.set_defaults(func=cmd_pins)
 
     h = sub.add_parser("host-check")
     h.add_argument("--requirements", required=True)

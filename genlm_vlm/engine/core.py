@@ -40,7 +40,14 @@ import torch
 
 from ..capture import TAG_KEY, CaptureSink
 from ..rowring import RowRing
-from .build import ModelInfo, _layout_error, build_llm, is_cpu_platform, vllm_version
+from .build import (
+    ModelInfo,
+    _layout_error,
+    build_llm,
+    forget_device_engine,
+    is_cpu_platform,
+    vllm_version,
+)
 from .forks import FORK_KEY, fork_stats
 from .teardown import release_engine, stop_workers
 
@@ -293,6 +300,7 @@ class VLLMCore:
         except BaseException:
             with _live_lock:
                 last = not _live
+            forget_device_engine(llm)
             release_engine(llm, last=last)
             if sink.remote is not None:
                 sink.remote.close()
@@ -482,6 +490,7 @@ class VLLMCore:
                 stop_workers(self.llm)
             release_engine(self.llm, last=last)
         finally:
+            forget_device_engine(self.llm)
             if self.sink.remote is not None:
                 self.sink.remote.close()  # after the workers are gone
             self.sink.rows.clear()

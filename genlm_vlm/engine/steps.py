@@ -40,6 +40,7 @@ from .jobs import (
 from .sampler import draw_token, seeded_generator
 from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
+from .transfer import move_rows
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +370,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
                     and any(not w.done() and not on_engine_device(w) for w in job.waiters)]
             if move:
                 try:
-                    moved = torch.stack([r for _, r in move]).to(device).unbind(0)
+                    moved = move_rows([r for _, r in move], device)  # pinned + async from CUDA to CPU
                     there = {id(job): r for (job, _), r in zip(move, moved, strict=True)}
                 except Exception:  # noqa: BLE001 - e.g. out of memory: row by row, a failure fails its job alone
                     for job, r in move:
