@@ -535,7 +535,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds for the whole invocation: a subprocess still running 15 s "
         "before it is killed (and reported), later steps are skipped, so the "
         "outputs are complete before an outside limit hits (default: 570 when "
-        "$OUT is set, i.e. under the device tool's 10-minute limit; else none)",
+        "$OUT is set, i.e. under a 10-minute limit per command; else none)",
     )
     p.add_argument(
         "--cpu-smoke",

@@ -210,14 +210,13 @@ cat <<EOF
 For each N in 000 .. $last, one device run per part:
   1. here:   bash benchmarks/gpu/stage_part.sh N
              (empties benchmarks/gpu/transfer/, copies part-N + SHA256SUMS there;
-              transfer/ is gitignored, so it only travels when carried)
-  2. device: run(carry=["benchmarks/gpu/transfer"],
-                 command="bash benchmarks/gpu/install_offline.sh add-part benchmarks/gpu/transfer")
+              transfer/ is gitignored: copy it to the GPU host by any means)
+  2. GPU host: bash benchmarks/gpu/install_offline.sh add-part benchmarks/gpu/transfer
              (verifies the part's sha256 and appends it to /tmp/genlm_wheelhouse/parts/)
 After the last part (same host session, /tmp survives between runs):
-  device: bash benchmarks/gpu/install_offline.sh install
+  GPU host: bash benchmarks/gpu/install_offline.sh install
           -> verifies, reassembles, untars, pip-installs into /tmp/genlm_site,
              smoke-imports vllm and writes /tmp/genlm_wheelhouse/env.sh
-  then every later device command starts with: source /tmp/genlm_wheelhouse/env.sh
+  then every later command on the GPU host starts with: source /tmp/genlm_wheelhouse/env.sh
 Check progress at any time with: bash benchmarks/gpu/install_offline.sh status
 EOF

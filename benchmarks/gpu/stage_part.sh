@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stage ONE part for a device transfer: empties the (gitignored) transfer folder
-# and copies parts/part-NNN plus parts/SHA256SUMS into it, so that
-# run(carry=["benchmarks/gpu/transfer"], ...) moves < 60 MiB.
+# Stage ONE part for a transfer to the GPU host: empties the (gitignored) transfer folder
+# and copies parts/part-NNN plus parts/SHA256SUMS into it, so that copying that folder
+# moves < 60 MiB.
 #
 #   bash benchmarks/gpu/stage_part.sh 3                 # -> transfer/part-003
 #   bash benchmarks/gpu/stage_part.sh 003 --parts-dir D --transfer-dir T
