@@ -9,7 +9,9 @@ optimal proposal (on an :class:`~genlm_vlm.AsyncVirtualLM`: one burst on the eng
 with genlm-control's conventions: ``max_tokens`` counts the EOS, which is forced at the limit
 and weighted by ``log P(EOS)`` (``force_eos=True``); the ``PromptedLLM``'s temperature tempers
 the target (``target_temperature=``); the prompt, the EOS ids and the LoRA are the
-``PromptedLLM``'s. The result is genlm-control's own ``Sequences``.
+``PromptedLLM``'s. The result is genlm-control's own ``Sequences``, whose ``log_ml`` is the run's
+``log_marginal`` (the target's mass on the accepted texts that end within ``max_tokens``, EOS
+included: :func:`to_sequences`).
 
 A product of ``PromptedLLM``s (``llm1 * llm2 * ...``) targets ``prod_j p(x | prompt_j)`` times
 the conditions, with EOS weighted by ``sum_j log P_j(EOS)``: it runs as
@@ -347,7 +349,9 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     run as :meth:`~genlm_vlm.AsyncLM.smc` on the ``PromptedLLM``'s genlm_vlm model (on an
     :class:`~genlm_vlm.AsyncVirtualLM`, in the engine). Same target, same ``max_tokens``
     convention (EOS included, forced at the limit with its ``log P(EOS)`` weight); returns
-    genlm-control's ``Sequences`` (``.posterior``, ``.decoded_posterior``, ``.log_ml``).
+    genlm-control's ``Sequences`` (``.posterior``, ``.decoded_posterior``, ``.log_ml``: ``lm.smc``'s
+    ``log_marginal``, see :func:`to_sequences`). A run whose particles all die warns as ``lm.smc``
+    does (:class:`~genlm_vlm.smc.EmptyPosteriorWarning`).
 
     ``sampler``: ``direct_token_sampler(llm)``, ``AWRS(llm, condition)`` or
     ``eager_token_sampler(llm, condition)``, ``llm`` one ``PromptedLLM`` or a product of them
