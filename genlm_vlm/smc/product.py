@@ -18,9 +18,9 @@ when the run has returned (never on the engine thread), batched: ``texts`` are t
 particles' bytes in particle order (it is not called when none finished). It may be a
 coroutine function. Its values (floats; ``-inf`` allowed, NaN and ``+inf`` not) are added to
 those particles' log weights; ``posterior`` is renormalised over the finished particles and
-``log_marginal`` is recomputed from the new weights by its one definition
-(:func:`~.algorithm.log_marginals`): ``L * mean_i w_i c(x_i) 1[i finished]`` (``L``: the
-resampling steps' factors), unbiased for ``sum_x p(x EOS) c(x)`` over the accepted texts that
+``log_marginal`` follows its one definition (:func:`~.algorithm.log_marginals`) with the new
+weights: ``log_marginal + lse(finished after) - lse(finished before)``, i.e.
+``L * mean_i w_i c(x_i) 1[i finished]`` (``L``: the resampling steps' factors), unbiased for ``sum_x p(x EOS) c(x)`` over the accepted texts that
 end within ``max_tokens``, since SMC's ``L * mean_i w_i f(x_i)`` is unbiased for any function
 ``f`` of the final particles. The cut and dead particles, which the critic does not see, keep
 their weights (``log_marginal_cut`` is unchanged). A critic that weighs every finished text
