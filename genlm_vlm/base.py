@@ -454,7 +454,10 @@ class AsyncLM(ABC):
         the engine thread (``in_engine=False``: per token in Python, the byte-identical reference);
         elsewhere per token in Python. Arguments are checked before any engine work. ``prompts``
         (with ``prompt_ids=None``): a product of prompts; ``critic``: a terminal critic, called once
-        at the end in this coroutine (:mod:`genlm_vlm.smc.product`). Returns an ``SMCResult``.
+        at the end in this coroutine (:mod:`genlm_vlm.smc.product`). Returns an ``SMCResult``:
+        ``log_marginal`` estimates log P(a sample ends with EOS within ``max_tokens``, its text
+        accepted); cut particles count zero (``log_marginal_cut``); none finished: ``-inf``,
+        ``empty_reason`` and an :class:`~genlm_vlm.smc.EmptyPosteriorWarning` say why.
         """
         from .smc import api
 

@@ -382,6 +382,7 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         import time
 
         from .smc import api
+        from .smc.algorithm import warn_if_empty
 
         in_engine = kwargs.pop("in_engine", True)
         if not in_engine:
@@ -395,6 +396,7 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         if critic is not None:
             api.criticise_sync(result, critic)
         result.stats.update(where="engine", wall_s=round(time.perf_counter() - t0, 6))
+        warn_if_empty(result)
         return result
 
     def warm_up(self, prefix_token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:

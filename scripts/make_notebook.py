@@ -322,7 +322,8 @@ takes our model as it is:
   `lm.next_token_logprobs` become one engine call.
 
 `decoded_posterior` holds the distinct finished texts with their posterior probabilities, and
-`log_ml` estimates the log-probability that an unconstrained sample satisfies the constraint.
+`log_ml` estimates the log-probability that an unconstrained sample satisfies the constraint and
+ends within `max_tokens` tokens, its full stop included.
 The constraint here: after "the", 3 to 6 lowercase words, then a full stop.""",
     ),
     (

@@ -107,10 +107,15 @@ def _run(fake: FakeLM, allowed: str, n_particles: int, max_tokens: int, seed: in
 
 
 def test_smc_exact_weights_without_eos() -> None:
-    # p(a)=p(b)=0.3, p(".")=0.4; allowed mass is 0.6 at every step for every particle.
+    # p(a)=p(b)=0.3, p(".")=0.4; allowed mass is 0.6 at every step for every particle. EOS is
+    # never allowed: every particle is cut, so nothing finished (log_marginal = -inf) and the
+    # cut particles' mass is exactly 0.6^5.
     fake = FakeLM({2: 0.3, 3: 0.3, 6: 0.4}, prompt=[0])
     res = _run(fake, "ab", n_particles=16, max_tokens=5, seed=1)
-    assert res.log_marginal == pytest.approx(5 * math.log(0.6), abs=1e-5)
+    assert res.log_marginal == -math.inf and res.posterior == {}
+    assert res.log_marginal_cut == pytest.approx(5 * math.log(0.6), abs=1e-5)
+    assert res.log_marginal_with_cut == pytest.approx(5 * math.log(0.6), abs=1e-5)
+    assert res.empty_reason is not None and "no particle finished within max_tokens=5 (16 of 16 cut)" in res.empty_reason
     assert res.resamples == 0 and res.steps == 5
     assert res.stats["rows"] == fake.calls == 16 * 5
     for p in res.particles:
@@ -119,18 +124,27 @@ def test_smc_exact_weights_without_eos() -> None:
 
 
 def test_smc_evidence_with_eos_is_unbiased() -> None:
-    # Each step: EOS 0.1, allowed 0.5, forbidden 0.4. P(constraint holds over T tokens or until EOS):
+    # Each step: EOS 0.1, allowed 0.5, forbidden 0.4. log_marginal estimates P(EOS within T
+    # tokens, every token before it allowed) = sum_k<T 0.5^k 0.1; the cut particles' estimate is
+    # P(T allowed tokens, no EOS) = 0.5^T; the two add up to what both estimated together.
     T = 4
-    exact = sum(0.5**k * 0.1 for k in range(T)) + 0.5**T
+    finished = sum(0.5**k * 0.1 for k in range(T))
+    cut = 0.5**T
     fake = FakeLM({1: 0.1, 2: 0.25, 4: 0.25, 6: 0.4}, prompt=[0, 2])
-    estimates = []
-    for seed in range(8):
+    estimates, cuts, both = [], [], []
+    for seed in range(24):
         res = _run(fake, "a ", n_particles=200, max_tokens=T, seed=seed)
         estimates.append(math.exp(res.log_marginal))
+        cuts.append(math.exp(res.log_marginal_cut))
+        both.append(math.exp(res.log_marginal_with_cut))
+        assert res.n_cut > 0 and res.n_finished > 0 and res.empty_reason is None
         for p in res.particles:
             assert set(p.text) <= set(b"a ") and len(p.token_ids) <= T
             assert p.finished or len(p.token_ids) == T
-    assert np.mean(estimates) == pytest.approx(exact, rel=0.05)
+    # (one standard error over 24 runs: 1.7% of `finished`, 1.2% of `cut`; the sum is 33% above `finished`)
+    assert np.mean(estimates) == pytest.approx(finished, rel=0.05)
+    assert np.mean(cuts) == pytest.approx(cut, rel=0.05)
+    assert np.mean(both) == pytest.approx(finished + cut, rel=0.05)
 
 
 def test_smc_resamples_away_from_dead_ends() -> None:
@@ -150,7 +164,8 @@ def test_smc_resamples_away_from_dead_ends() -> None:
         if res.resampled_at:
             resampled += 1
             assert sum(p.text.startswith(b"b") for p in res.particles) <= 6  # ~2% of them in expectation
-        estimates.append(math.exp(res.log_marginal))
+        assert res.log_marginal == -math.inf and res.n_cut == 64  # every particle is cut: nothing finished
+        estimates.append(math.exp(res.log_marginal_cut))
     assert resampled >= 90
     # P(3 allowed tokens) = aa* + ab* + ba* = .3*.3*.9 + .3*.6*.01 + .6*.01*.9
     # (about 3 standard errors over 100 runs)
@@ -160,9 +175,10 @@ def test_smc_resamples_away_from_dead_ends() -> None:
 def test_smc_dead_particles() -> None:
     fake = FakeLM({6: 1.0}, prompt=[0])  # only "." has probability: nothing allowed survives
     res = _run(fake, "ab", n_particles=4, max_tokens=3, seed=0)
-    assert res.log_marginal == -math.inf
+    assert res.log_marginal == -math.inf and res.log_marginal_cut == -math.inf
     assert all(p.dead and not p.token_ids for p in res.particles)
     assert res.stats["died_at"] == 1 and res.posterior == {}
+    assert res.empty_reason.startswith("every particle died (all 4 by step 1)")
 
 
 # ------------------------------------------------------------------------------ the real thing
@@ -268,6 +284,22 @@ def test_describe_run_counts_resamples_and_endings() -> None:
     assert report.describe_run(never, 0.25, 7)[0] == (
         "SMC: 4 steps, never resampled (the effective sample size stayed at or above 0.25 x 3)"
     )
+
+
+def test_summarize_counts_finished_texts_and_reports_the_cut_mass() -> None:
+    p = Particle
+    done, cut, dead = p([2], b"a", -1.0, "finished"), p([3, 3], b"bb", -2.0, "cut"), p([], b"", -math.inf, "dead")
+    some = SMCResult([done, cut], -1.5, {b"a": 1.0}, log_marginal_cut=-2.5)
+    lines = report.summarize(some, 2)
+    assert lines[0].startswith("estimated log P(constraint) = -1.500: ") and "ends with EOS within 2 tokens" in lines[0]
+    assert "1 of 2 particles were cut off" in lines[1] and "-2.500, not counted above" in lines[1]
+    none = SMCResult([cut, dead], -math.inf, {}, log_marginal_cut=-2.7, stats={})
+    lines = report.summarize(none, 2)
+    assert lines[0].startswith("no particle ended with EOS within --max-tokens 2 (1 of 2 cut off, 1 died), "
+                               "so estimated log P(constraint) = -inf")
+    assert "-2.700; raise --max-tokens" in lines[1]
+    lines = report.summarize(SMCResult([dead, dead], -math.inf, {}, stats={"died_at": 1}), 2)
+    assert lines[0].startswith("no particle can satisfy the constraint: all 2 died at step 1")
 
 
 def test_demo_main_in_process_with_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -374,11 +374,15 @@ def _cmdline(proc) -> list[str]:
 
 @pytest.mark.ray
 async def test_smc_runs_on_one_replica(pool):
-    from genlm_vlm.smc import ConstraintError, Regex
+    from genlm_vlm.smc import ConstraintError, EmptyPosteriorWarning, Regex
 
     prompt = [5, 9, 17, 33]
     a = await pool.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=3)
     b = await pool.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=3)
+    with pytest.warns(EmptyPosteriorWarning) as record:  # no text of 12 x's within 8 tokens: said here, once
+        cut = await pool.smc(prompt, Regex(r"x{12}"), 4, 8, seed=0)
+    assert [str(w.message) for w in record if w.category is EmptyPosteriorWarning] == [cut.empty_reason]
+    assert cut.n_cut == 4 and "max_tokens=8" in cut.empty_reason
     assert a.stats["where"] == "engine" and a.stats["replica"] in (0, 1)
     assert [p.token_ids for p in a.particles] == [p.token_ids for p in b.particles]
     assert all(p.text.replace(b" ", b"").isalpha() or not p.text.strip() for p in a.particles)

@@ -103,7 +103,8 @@ def test_engine_run_is_byte_identical_to_the_reference(lm, kind):
     ref = lm.smc_sync(prompt, CONSTRAINTS[kind](), 12, 16, seed=11, ess_threshold=0.9, in_engine=False)
     assert eng.stats["where"] == "engine" and ref.stats["where"] == "python"
     assert _fingerprint(eng) == _fingerprint(ref)
-    assert eng.log_marginal == ref.log_marginal
+    assert eng.log_marginal == ref.log_marginal and eng.log_marginal_cut == ref.log_marginal_cut
+    assert eng.empty_reason == ref.empty_reason
     assert eng.ess == ref.ess and eng.resampled_at == ref.resampled_at
     assert eng.posterior == ref.posterior
     # one engine step per SMC step (no step spent waiting for the program)

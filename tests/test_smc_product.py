@@ -160,6 +160,7 @@ def test_product_in_engine_is_byte_identical_to_the_reference(llama_lm):
     assert eng.stats["where"] == "engine" and ref.stats["where"] == "python"
     assert _fingerprint(eng) == _fingerprint(ref)
     assert eng.log_marginal == ref.log_marginal and eng.posterior == ref.posterior
+    assert eng.log_marginal_cut == ref.log_marginal_cut
     assert eng.resampled_at and eng.stats["engine_rounds"] == eng.stats["steps"]
     assert lm.stats["forks"]["copied"] + lm.stats["forks"]["aligned"] > forks0  # copies forked factors' KV
     one = lm.smc_sync(prompts[0], Regex(r"[a-z ]+"), 12, 14, seed=7, ess_threshold=0.9)

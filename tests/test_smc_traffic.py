@@ -32,7 +32,7 @@ def _long_prompt(lm, n: int, seed: int = 0) -> list[int]:
 def _exact(result) -> tuple:
     """Everything a run returns that must be the same bits."""
     return ([(p.token_ids, p.log_weight, p.status) for p in result.particles], result.log_marginal,
-            list(result.ess), list(result.resampled_at), result.posterior)
+            result.log_marginal_cut, list(result.ess), list(result.resampled_at), result.posterior)
 
 
 def test_the_engine_reports_batch_invariant_rows(llama_lm):
@@ -115,7 +115,7 @@ def test_concurrent_seeded_runs_equal_their_solo_runs_bit_for_bit(llama_lm, leng
     assert shared_steps < solo_steps / 2, (shared_steps, solo_steps)  # the runs did share steps
     assert all(r.steps >= 8 for r in solo) and any(r.resampled_at for r in solo)
     for s, a, b in zip(SEEDS, solo, runs, strict=True):
-        assert _exact(a) == _exact(b), f"seed {s}: {a.log_marginal - b.log_marginal}"
+        assert _exact(a) == _exact(b), f"seed {s}: {a.log_marginal_with_cut - b.log_marginal_with_cut}"
 
 
 def test_a_seeded_run_beside_long_row_traffic_equals_its_solo_run(llama_lm):

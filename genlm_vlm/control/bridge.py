@@ -9,7 +9,9 @@ optimal proposal (on an :class:`~genlm_vlm.AsyncVirtualLM`: one burst on the eng
 with genlm-control's conventions: ``max_tokens`` counts the EOS, which is forced at the limit
 and weighted by ``log P(EOS)`` (``force_eos=True``); the ``PromptedLLM``'s temperature tempers
 the target (``target_temperature=``); the prompt, the EOS ids and the LoRA are the
-``PromptedLLM``'s. The result is genlm-control's own ``Sequences``.
+``PromptedLLM``'s. The result is genlm-control's own ``Sequences``, whose ``log_ml`` is the run's
+``log_marginal`` (the target's mass on the accepted texts that end within ``max_tokens``, EOS
+included: :func:`to_sequences`).
 
 A product of ``PromptedLLM``s (``llm1 * llm2 * ...``) targets ``prod_j p(x | prompt_j)`` times
 the conditions, with EOS weighted by ``sum_j log P_j(EOS)``: it runs as
@@ -351,7 +353,9 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     run as :meth:`~genlm_vlm.AsyncLM.smc` on the ``PromptedLLM``'s genlm_vlm model (on an
     :class:`~genlm_vlm.AsyncVirtualLM`, in the engine). Same target, same ``max_tokens``
     convention (EOS included, forced at the limit with its ``log P(EOS)`` weight); returns
-    genlm-control's ``Sequences`` (``.posterior``, ``.decoded_posterior``, ``.log_ml``).
+    genlm-control's ``Sequences`` (``.posterior``, ``.decoded_posterior``, ``.log_ml``: ``lm.smc``'s
+    ``log_marginal``, see :func:`to_sequences`). A run whose particles all die warns as ``lm.smc``
+    does (:class:`~genlm_vlm.smc.EmptyPosteriorWarning`).
 
     ``sampler``: ``direct_token_sampler(llm)``, ``AWRS(llm, condition)`` or
     ``eager_token_sampler(llm, condition)``, ``llm`` one ``PromptedLLM`` or a product of them
@@ -396,14 +400,21 @@ async def _fallback(sampler: Any, n_particles: int, ess_threshold: float, max_to
 
 def to_sequences(llm: Any, result: Any) -> Any:
     """An :class:`~genlm_vlm.smc.SMCResult` as genlm-control's ``Sequences``: contexts of the
-    ``PromptedLLM``'s tokens, ending with genlm-control's ``EOS`` where the particle finished;
-    log weights that include the resampling steps' averages, so that ``Sequences.log_ml`` is the
-    run's ``log_marginal``."""
+    ``PromptedLLM``'s tokens, ending with genlm-control's ``EOS`` where the particle finished.
+
+    ``Sequences`` computes ``log_ml``, ``log_total``, ``ess`` and its posteriors itself from the
+    log weights it is given (``log_ml = log mean_i exp(log_weights[i])`` over all ``N``), so the
+    weights handed over make them ``lm.smc``'s: a finished particle's log weight plus the
+    resampling steps' log normalisers (the same for every particle), a cut or dead particle's
+    ``-inf`` (they count zero in ``log_marginal``). Then ``log_ml`` is ``log_marginal`` (up to
+    float rounding: it is summed again), ``posterior`` the finished texts' normalised weights,
+    and ``ess`` the effective sample size of the finished particles' final weights (not the
+    run's per-step ``ess``). With the bridge's ``force_eos=True`` no particle is cut."""
     from genlm.control.constant import EOS
     from genlm.control.sampler.sequence import Sequences
 
     decode = llm.token_maps.decode
-    lw = np.array([p.log_weight for p in result.particles], dtype=np.float64)
+    lw = np.array([p.log_weight if p.finished else -math.inf for p in result.particles], dtype=np.float64)
     top = float(np.max(lw)) if lw.size else -math.inf
     if math.isfinite(top) and math.isfinite(result.log_marginal):
         current = top + math.log(float(np.mean(np.exp(lw - top))))

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import pathlib
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -> int:
-    from ..smc import ConstraintError
+    from ..smc import ConstraintError, EmptyPosteriorWarning
     from ..smc.api import bind
     from ..vllm_lm import AsyncVirtualLM
 
@@ -276,10 +276,12 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
         sys.stdout.flush()
 
         t1 = time.perf_counter()
-        result = lm.smc_sync(
-            prompt_ids, constraint, args.particles, args.max_tokens,
-            ess_threshold=args.ess_threshold, seed=args.seed, eos_token_ids=[eos_id],
-        )
+        with warnings.catch_warnings():  # the report below says why a posterior is empty
+            warnings.simplefilter("ignore", EmptyPosteriorWarning)
+            result = lm.smc_sync(
+                prompt_ids, constraint, args.particles, args.max_tokens,
+                ess_threshold=args.ess_threshold, seed=args.seed, eos_token_ids=[eos_id],
+            )
         t_smc = time.perf_counter() - t1
         stats = lm.stats
     finally:
@@ -303,7 +305,7 @@ def _run_demo(args: argparse.Namespace, user_opts: dict[str, Any], model: str) -
         f"time: engine start {t_load:.1f} s, SMC {t_smc:.2f} s ({per_step * 1000:.0f} ms/step), "
         f"total {time.perf_counter() - t0:.1f} s (after imports)"
     )
-    return 0 if math.isfinite(result.log_marginal) else 1
+    return 1 if result.n_dead == len(result.particles) else 0  # 1: no text can satisfy the constraint
 
 
 if __name__ == "__main__":  # pragma: no cover

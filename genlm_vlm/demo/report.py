@@ -7,7 +7,6 @@ can be tested without a model. Internal module of :mod:`genlm_vlm.demo`.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import numpy as np
@@ -84,10 +83,13 @@ def describe_run(result: SMCResult, ess_threshold: float, max_tokens: int) -> li
 
 
 def summarize(result: SMCResult, max_tokens: int) -> list[str]:
-    """What ``log P(constraint)`` estimates, and why it is ``-inf`` or partial when it is."""
+    """What ``log P(constraint)`` estimates (``result.log_marginal``: texts that end with EOS
+    within ``max_tokens`` tokens and obey the constraint), what the cut particles carry, and why
+    it is ``-inf`` when it is."""
     n = len(result.particles)
     died_at = result.stats.get("died_at")
-    if died_at is not None or not math.isfinite(result.log_marginal):
+    cut = result.n_cut
+    if result.n_dead == n:
         step = f" at step {died_at}" if died_at is not None else ""
         return [
             f"no particle can satisfy the constraint: all {n} died{step} (each reached a text "
@@ -96,16 +98,23 @@ def summarize(result: SMCResult, max_tokens: int) -> list[str]:
             "  Relax the constraint: allow more characters (--allowed-chars), or let --regex "
             "accept what the model can write from this prompt (and end it, so EOS is allowed).",
         ]
+    if not result.posterior:
+        died = f", {result.n_dead} died" if result.n_dead else ""
+        return [
+            f"no particle ended with EOS within --max-tokens {max_tokens} ({cut} of {n} cut off{died}), "
+            "so estimated log P(constraint) = -inf: no complete text was seen.",
+            f"  The cut particles' unfinished texts carry estimated log-probability {result.log_marginal_cut:.3f}; "
+            "raise --max-tokens for complete texts.",
+        ]
     lines = [
         f"estimated log P(constraint) = {result.log_marginal:.3f}: the log-probability that "
-        f"the model's own text obeys the constraint up to EOS or for {max_tokens} tokens",
+        f"the model's own text obeys the constraint and ends with EOS within {max_tokens} tokens",
     ]
-    cut = result.n_cut
     if cut:
         which = "its text is" if cut == 1 else "their texts are"
         lines.append(
-            f"  ({cut} of {n} particles were cut off: {which} unfinished and the estimate covers "
-            f"only the first {max_tokens} tokens; raise --max-tokens for complete texts)"
+            f"  ({cut} of {n} particles were cut off: {which} unfinished, with estimated log-probability "
+            f"{result.log_marginal_cut:.3f}, not counted above; raise --max-tokens for complete texts)"
         )
     return lines
 

@@ -136,8 +136,13 @@ class ReplicaWorker:
     # ------------------------------------------------------------------ controllers
     async def smc(self, prompt: list[int], constraint: Any, n_particles: int, max_tokens: int,
                   kwargs: dict[str, Any]) -> Any:
-        """``lm.smc(...)`` here: a burst on this replica's engine thread."""
-        result = await self.lm.smc(prompt, constraint, n_particles, max_tokens, **kwargs)
+        """``lm.smc(...)`` here: a burst on this replica's engine thread. An empty posterior's
+        warning is the driver's to give (after its critic)."""
+        from ..smc.algorithm import EmptyPosteriorWarning
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmptyPosteriorWarning)
+            result = await self.lm.smc(prompt, constraint, n_particles, max_tokens, **kwargs)
         result.stats["replica"] = self.index
         return result
 

@@ -267,6 +267,7 @@ class CallMixin:
         engine thread (``in_engine=False``: per token over the pool). The arguments are checked
         here first; the constraint travels as its description and is compiled there."""
         from ..smc import api
+        from ..smc.algorithm import warn_if_empty
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = kwargs.get("in_engine", True)
@@ -283,7 +284,10 @@ class CallMixin:
         result = await self._on_one_replica(prompt, kwargs.get("lora_name"), "smc",
                                             None if prompts else list(prompt), constraint, n_particles,
                                             max_tokens, kwargs)
-        return result if critic is None else await api.criticise(result, critic)
+        if critic is not None:
+            await api.criticise(result, critic)
+        warn_if_empty(result)  # here, in the caller's process (the replica gives none)
+        return result
 
     async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
                              start: Any = None) -> Any:

@@ -5,6 +5,10 @@
   engine thread (a *burst*), with no trip through the event loop per token.
 * Constraints: :class:`Regex`, :class:`JSONSchema`, :class:`Grammar` (EBNF or Lark; xgrammar),
   :class:`TokenMask` (your own vectorised mask function), :class:`AllOf` (several at once).
+* :class:`SMCResult`: ``log_marginal`` estimates the log-probability that a sample ends with EOS
+  within ``max_tokens`` with a text the constraint accepts (cut particles count zero; their mass
+  is ``log_marginal_cut``); a run with an empty posterior says why (``empty_reason``) and gives
+  an :class:`EmptyPosteriorWarning`.
 * The seam: :class:`Controller`, :class:`Decision` and
   :meth:`genlm_vlm.AsyncLM.run_controller`, for another SMC implementation to run its own
   per-step logic in the engine; :func:`drive` runs any controller per token in Python (the
@@ -12,7 +16,7 @@
   :class:`ControllerError` (a ``ValueError``).
 """
 
-from .algorithm import Particle, SMCController, SMCResult
+from .algorithm import EmptyPosteriorWarning, Particle, SMCController, SMCResult
 from .constraints import (
     AllOf,
     BoundConstraint,
@@ -34,6 +38,7 @@ __all__ = [
     "Controller",
     "ControllerError",
     "Decision",
+    "EmptyPosteriorWarning",
     "Grammar",
     "JSONSchema",
     "Particle",

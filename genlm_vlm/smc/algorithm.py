@@ -19,9 +19,37 @@ the constraint's allowed tokens for the particle's state:
 
 After each step, if the effective sample size of the weights is below ``ess_threshold * N`` and
 a particle is still live, the particles are resampled (``"multinomial"``, ``"stratified"`` or
-``"systematic"``) and their weights set to the mean weight, so the estimate of the log marginal
-(``log Z``, the probability that a sequence from the model satisfies the constraint) stays
-unbiased in ``Z``.
+``"systematic"``; finished particles take part, frozen, and a copy of one is finished too; a
+particle is only cut at the last step, after which nothing is resampled) and their weights set
+to the mean weight, whose log is added to ``log L`` (the resampling steps' log normalisers).
+
+**The log marginal.** With ``T = max_tokens``, ``p`` the target (the model's next-token
+distribution from the prompt; tempered by ``target_temperature``; the product of the factors'
+with ``prompts``) and ``accepted`` the constraint's language::
+
+    Z_T = sum over token paths x of at most T - 1 tokens, each allowed by the mask, with EOS
+          allowed after x (the constraint accepts x):  p(x) * p(EOS | x)
+
+is the probability that a sample of the model ends (EOS) within ``T`` tokens, EOS included, with
+a text the constraint accepts (``force_eos`` does not change it: it turns the mass a cut
+particle would carry into EOS where the constraint accepts). ``log_marginal = log L +
+logsumexp(finished particles' log weights) - log N`` is an estimate of ``log Z_T`` whose
+exponential is unbiased for ``Z_T`` (at any temperature above the greedy limit, where the
+proposal reaches every allowed path); cut and dead particles count zero. ``log_marginal_cut``,
+the same estimator over the cut particles, is unbiased for ``C_T``, the probability of a path of
+``T`` allowed tokens with no EOS (``-inf`` with ``force_eos``, which cuts no particle). Why: the particles (a finished or dead
+one frozen, its weight multiplied by 1 at each later step) are an SMC sampler whose target after
+step ``t`` is ``gamma_t``: ``p`` on the paths of ``t`` allowed tokens and on the finished paths
+of fewer, zero elsewhere. A step multiplies a weight by ``gamma_t / (gamma_{t-1} * q)``, so
+``E[L * mean_i w_i f(x_i)]`` stays ``sum_x gamma_t(x) f(x)`` for every function ``f``; a
+resampling step keeps that expectation too (each scheme here gives particle ``i``
+``N * w_i / sum_j w_j`` copies on average, and ``L`` takes the mean weight), and so does
+deciding whether to resample from the weights so far. At the end ``f = 1[finished]`` gives
+``Z_T`` and ``f = 1[cut]`` gives ``C_T``. ``Z_T`` grows with ``T`` to ``Z``
+(the probability that a sample ends with an accepted text, whatever its length) and
+``Z_T <= Z <= Z_T + C_T`` (an accepted path of ``T`` tokens or more passes through an allowed
+``T``-token prefix), so a run without ``force_eos`` brackets ``Z`` by ``log_marginal`` and
+``SMCResult.log_marginal_with_cut``.
 
 The proposal runs where the rows are (:mod:`.step`, torch: the constraint's bitmasks go to the
 rows' device, ``m`` tokens and ``m`` increments come back); the bookkeeping (weights, states,
@@ -35,6 +63,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,16 +101,31 @@ class Particle:
         return self.status == "dead"
 
 
+class EmptyPosteriorWarning(UserWarning):
+    """An SMC run returned no finished particle with a positive weight: ``posterior`` is empty
+    and ``log_marginal`` is ``-inf``. The message (also :attr:`SMCResult.empty_reason`) says why
+    (``max_tokens`` cut every particle, every particle died, or the critic weighed every finished
+    text zero) and what to change."""
+
+
 @dataclass
 class SMCResult:
     """What :meth:`~genlm_vlm.AsyncLM.smc` returns.
 
-    ``log_marginal``: the estimate of ``log Z`` (``-inf`` if every particle died).
-    ``posterior``: normalised weights of the finished particles, summed over identical texts
-    (bytes -> probability; empty when no particle finished). ``ess``: the effective sample size
-    after each step; ``resampled_at``: the steps (1-based) after which the particles were
-    resampled. ``stats``: counters of the run (steps, rows, tokens, the constraint's seconds,
-    the controller's seconds, where it ran).
+    ``log_marginal``: ``log L + logsumexp(finished particles' log weights) - log N``, whose
+    exponential is an unbiased estimate of the probability that a sample of the model (the
+    target) ends with EOS within ``max_tokens`` tokens, EOS included, with a text the
+    constraint accepts (times the critic's weight, with a critic); ``-inf`` when no particle
+    finished. Cut and dead particles count zero (see :mod:`genlm_vlm.smc.algorithm`).
+    ``log_marginal_cut``: the same estimator over the cut particles (unbiased for the
+    probability of ``max_tokens`` allowed tokens with no EOS; ``-inf`` when none was cut, always
+    with ``force_eos``). ``posterior``: normalised weights of the finished particles, summed over
+    identical texts (bytes -> probability; empty when no particle finished with a positive
+    weight). ``empty_reason``: None, or why ``posterior`` is empty (the text of the
+    :class:`EmptyPosteriorWarning` the run gave). ``ess``: the effective sample size after each
+    step; ``resampled_at``: the steps (1-based) after which the particles were resampled.
+    ``stats``: counters of the run (steps, rows, tokens, the constraint's seconds, the
+    controller's seconds, where it ran).
     """
 
     particles: list[Particle]
@@ -90,6 +134,16 @@ class SMCResult:
     ess: list[float] = field(default_factory=list)
     resampled_at: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    log_marginal_cut: float = -math.inf
+    empty_reason: str | None = None
+
+    @property
+    def log_marginal_with_cut(self) -> float:
+        """``log(exp(log_marginal) + exp(log_marginal_cut))``: the estimate that also counts the
+        cut particles' unfinished texts. Without ``force_eos``, ``exp(log_marginal)`` and this
+        bracket the probability that a sample ends with an accepted text, whatever its length
+        (both estimates unbiased)."""
+        return float(np.logaddexp(self.log_marginal, self.log_marginal_cut))
 
     @property
     def decoded_posterior(self) -> dict[str, float]:
@@ -131,6 +185,29 @@ def _logsumexp(x: np.ndarray) -> float:
     if not math.isfinite(top):
         return top
     return top + math.log(float(np.sum(np.exp(x - top))))
+
+
+def log_marginals(log_l: float, particles: Sequence[Particle]) -> tuple[float, float]:
+    """``(log_marginal, log_marginal_cut)`` of a run whose resampling steps' log normalisers sum
+    to ``log_l``: ``log_l + logsumexp(log weights of the finished (resp. cut) particles) - log N``
+    (``-inf`` when there are none, or all have weight zero). The one definition every path
+    reports (the controller's result, the critic, genlm-control's ``Sequences``)."""
+    n = len(particles)
+    out = []
+    for status in ("finished", "cut"):
+        lw = np.array([p.log_weight for p in particles if p.status == status], dtype=np.float64)
+        total = _logsumexp(lw)
+        out.append(log_l + total - math.log(n) if math.isfinite(total) else -math.inf)
+    return out[0], out[1]
+
+
+def warn_if_empty(result: Any, stacklevel: int = 2) -> None:
+    """Issue :class:`EmptyPosteriorWarning` with ``result.empty_reason`` when it has one (a run
+    whose posterior is empty). Called once per run, where the caller awaits it (never on the
+    engine thread)."""
+    reason = getattr(result, "empty_reason", None)
+    if reason:
+        warnings.warn(reason, EmptyPosteriorWarning, stacklevel=stacklevel + 1)
 
 
 def posterior_of(particles: Sequence[Particle]) -> dict[bytes, float]:
@@ -371,8 +448,7 @@ class SMCController(Controller):
             status = "cut" if self.status[i] == "live" else self.status[i]
             toks = self.tokens[i]
             particles.append(Particle(list(toks), b"".join(vocab[t] for t in toks), float(self.log_w[i]), status))
-        total = _logsumexp(self.log_w)
-        log_marginal = self.log_z + total - math.log(self.n_particles) if math.isfinite(total) else -math.inf
+        log_marginal, log_marginal_cut = log_marginals(self.log_z, particles)
         posterior = posterior_of(particles)
         stats = {
             "steps": self.steps,
@@ -390,4 +466,28 @@ class SMCController(Controller):
             "mask_ms_per_step": round(1e3 * self.mask_seconds / max(1, self.steps), 4),
             "step_ms_per_step": round(1e3 * (self.seconds - self.mask_seconds) / max(1, self.steps), 4),
         }
-        return SMCResult(particles, log_marginal, posterior, list(self.ess), list(self.resampled_at), stats)
+        return SMCResult(particles, log_marginal, posterior, list(self.ess), list(self.resampled_at), stats,
+                         log_marginal_cut, None if posterior else self._empty_reason(particles))
+
+    def _empty_reason(self, particles: Sequence[Particle]) -> str:
+        """Why no particle finished (see :class:`EmptyPosteriorWarning`): ``max_tokens`` cut
+        them, or they all died (at the forced EOS, or where the model gives the constraint's
+        tokens no probability)."""
+        n, cap = self.n_particles, self.max_tokens
+        cut = sum(p.status == "cut" for p in particles)
+        dead = sum(p.dead for p in particles)
+        if cut:
+            died = f", {dead} died" if dead else ""
+            return (f"no particle finished within max_tokens={cap} ({cut} of {n} cut{died}): log_marginal is -inf "
+                    "and posterior is empty. Raise max_tokens, or pass force_eos=True to end each text with EOS at "
+                    "the limit where the constraint accepts it (log_marginal_cut estimates the cut texts' mass)")
+        forced = sum(p.dead and len(p.token_ids) >= cap - 1 for p in particles) if self.force_eos else 0
+        if forced:
+            return (f"every particle died ({forced} of {n} at max_tokens={cap}, where force_eos=True allows only "
+                    "EOS and the constraint did not accept the text yet): log_marginal is -inf and posterior is "
+                    "empty. Raise max_tokens")
+        step = f" by step {self.died_at}" if self.died_at is not None else ""
+        return (f"every particle died (all {n}{step}): the model gives no probability to any token the "
+                "constraint allows there, EOS included, so the constraint's language holds no text this model "
+                "writes from this prompt. log_marginal is -inf and posterior is empty. Relax the constraint or "
+                "change the prompt")

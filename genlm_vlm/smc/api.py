@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ..checks import as_token_ids, check_seed
-from .algorithm import RESAMPLING, SMCController, SMCResult
+from .algorithm import RESAMPLING, SMCController, SMCResult, warn_if_empty
 from .constraints import Constraint, as_constraint
 from .controller import drive
 from .product import check_options, criticise, criticise_sync, resolve_prompts
@@ -138,7 +138,8 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
     """Run ``controller`` on ``lm`` (see the module docstring) and time it; ``prompts``
     (checked by :func:`check_prompts`): a product of prompts; ``critic`` (checked by
     :func:`check_critic`): applied once at the end, here, in the caller's coroutine
-    (:func:`~.product.criticise`)."""
+    (:func:`~.product.criticise`). A result whose posterior is empty gives its
+    :class:`~.algorithm.EmptyPosteriorWarning` here (``empty_reason``), after the critic."""
     t0 = time.perf_counter()
     if in_engine:
         if prompts is None:
@@ -151,6 +152,7 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
         await criticise(result, critic)
     result.stats["wall_s"] = round(time.perf_counter() - t0, 6)
     result.stats.setdefault("where", "python")
+    warn_if_empty(result, stacklevel=4)  # run <- smc <- AsyncLM.smc <- the caller
     return result
 
 

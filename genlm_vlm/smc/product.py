@@ -6,20 +6,25 @@ factor per particle (``p_j + generated``), computes the ``k`` rows of each parti
 round and hands the controller their float32 sum (:func:`~.controller.fold_rows`): unnormalised
 log weights ``sum_j log p(x_t | p_j, x_<t)``. The locally optimal proposal on such rows is exact:
 it draws ``q(x) ∝ prod_j p_j(x)`` on the mask and the weight grows by
-``logsumexp_mask sum_j log p_j(x)``, so the final weights and ``log_marginal`` estimate
-``Z = sum_x prod_j p(x | p_j)`` (over the finished texts, plus the cut particles' share as in a
-one-prompt run). With ``temperature`` t the proposal is ``∝ prod_j p_j(x)^(1/t)`` and the
-weights still target the product (``row - log q``); ``t = 0`` is greedy on the product.
+``logsumexp_mask sum_j log p_j(x)``, so the final weights target the product and
+``log_marginal`` estimates ``log sum_x prod_j p(x EOS | p_j)`` over the accepted texts that end
+within ``max_tokens`` (the finished particles, as in a one-prompt run;
+``log_marginal_cut`` the cut ones' ``sum_s prod_j p(s | p_j)``). With ``temperature`` t the
+proposal is ``∝ prod_j p_j(x)^(1/t)`` and the weights still target the product
+(``row - log q``); ``t = 0`` is greedy on the product.
 
 **Terminal critic.** ``critic(texts) -> log weights``, one per finished particle, called once
 when the run has returned (never on the engine thread), batched: ``texts`` are the finished
 particles' bytes in particle order (it is not called when none finished). It may be a
 coroutine function. Its values (floats; ``-inf`` allowed, NaN and ``+inf`` not) are added to
 those particles' log weights; ``posterior`` is renormalised over the finished particles and
-``log_marginal`` is recomputed from the new weights: with ``Z_hat = L * mean_i w_i`` (``L``:
-the resampling steps' factors) the run's estimate, ``L * mean_i w_i c_i`` (``c_i = 1`` for a
-cut or dead particle, which the critic does not see) is unbiased for
-``sum_x p(x) c(x)`` over the finished texts plus the cut particles' share, as before.
+``log_marginal`` follows its one definition (:func:`~.algorithm.log_marginals`) with the new
+weights: ``log_marginal + lse(finished after) - lse(finished before)``, i.e.
+``L * mean_i w_i c(x_i) 1[i finished]`` (``L``: the resampling steps' factors), unbiased for ``sum_x p(x EOS) c(x)`` over the accepted texts that
+end within ``max_tokens``, since SMC's ``L * mean_i w_i f(x_i)`` is unbiased for any function
+``f`` of the final particles. The cut and dead particles, which the critic does not see, keep
+their weights (``log_marginal_cut`` is unchanged). A critic that weighs every finished text
+zero empties ``posterior`` (``log_marginal = -inf``; ``empty_reason`` says so).
 """
 
 from __future__ import annotations
@@ -130,17 +135,23 @@ def critic_values(critic: Any, values: Any, n: int) -> list[float]:
 def apply_critic(result: Any, critic: Any, values: Any) -> Any:
     """Reweight ``result`` (an :class:`~.algorithm.SMCResult`) by the critic's ``values`` for
     its finished particles (checked by :func:`critic_values`): their log weights grow by them,
-    ``posterior`` and ``log_marginal`` are recomputed (see the module docstring)."""
+    ``posterior``, ``log_marginal`` and ``empty_reason`` are recomputed (see the module
+    docstring)."""
     done = [p for p in result.particles if p.finished]
     add = critic_values(critic, values, len(done))
-    old = np.array(result.log_weights, dtype=np.float64)
+    before = _logsumexp(np.array([p.log_weight for p in done], dtype=np.float64))
     for p, c in zip(done, add, strict=True):
         p.log_weight = p.log_weight + c
-    new = np.array(result.log_weights, dtype=np.float64)
-    before, after = _logsumexp(old), _logsumexp(new)
+    after = _logsumexp(np.array([p.log_weight for p in done], dtype=np.float64))
     if math.isfinite(result.log_marginal) and math.isfinite(before):
+        # log L + lse(finished) - log N, with log L = log_marginal - lse(before) + log N
         result.log_marginal = result.log_marginal + (after - before) if math.isfinite(after) else -math.inf
     result.posterior = posterior_of(result.particles)
+    if not result.posterior and result.empty_reason is None:
+        result.empty_reason = (
+            f"the critic {_name(critic)!r} weighed every finished text zero ({len(done)} of {len(result.particles)} "
+            "particles finished, each given -inf): log_marginal is -inf and posterior is empty"
+        )
     return result
 
 
