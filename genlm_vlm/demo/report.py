@@ -84,7 +84,8 @@ def describe_run(result: SMCResult, ess_threshold: float, max_tokens: int) -> li
 
 
 def summarize(result: SMCResult, max_tokens: int) -> list[str]:
-    """What ``log P(constraint)`` estimates, and why it is ``-inf`` or partial when it is."""
+    """What ``log P(constraint)`` estimates, and why it is ``-inf`` or partial when it is; a run
+    in which no particle ended with EOS says so (its posterior is empty) and what to raise."""
     n = len(result.particles)
     died_at = result.stats.get("died_at")
     if died_at is not None or not math.isfinite(result.log_marginal):
@@ -96,11 +97,19 @@ def summarize(result: SMCResult, max_tokens: int) -> list[str]:
             "  Relax the constraint: allow more characters (--allowed-chars), or let --regex "
             "accept what the model can write from this prompt (and end it, so EOS is allowed).",
         ]
+    cut = result.n_cut
+    if not result.n_finished:
+        died = f", {result.n_dead} died" if result.n_dead else ""
+        return [
+            f"no particle ended with EOS within --max-tokens {max_tokens} ({cut} of {n} cut off{died}): "
+            "the posterior is empty, no complete text was seen.",
+            f"  estimated log P(constraint) = {result.log_marginal:.3f} covers only unfinished texts (the first "
+            f"{max_tokens} tokens obey the constraint); raise --max-tokens for complete texts.",
+        ]
     lines = [
         f"estimated log P(constraint) = {result.log_marginal:.3f}: the log-probability that "
         f"the model's own text obeys the constraint up to EOS or for {max_tokens} tokens",
     ]
-    cut = result.n_cut
     if cut:
         which = "its text is" if cut == 1 else "their texts are"
         lines.append(
