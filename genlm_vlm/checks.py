@@ -3,6 +3,7 @@ model class; each error names the argument and says what is accepted."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -146,3 +147,49 @@ def _as_float(value: Any) -> float | None:
         return float(value)
     except (OverflowError, ValueError):
         return None
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: its type, and its repr when that is short."""
+    text = repr(value)
+    return f"{type(value).__name__} ({text})" if len(text) <= 40 else type(value).__name__
+
+
+def check_count(value: Any, what: str, minimum: int = 1) -> int:
+    """An int ``>= minimum`` (numpy integers accepted; a bool is not an int here): another type
+    is a ``TypeError``, a smaller int a ``ValueError``; the message names ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int >= {minimum}, got {_shown(value)}")
+    if value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_real(value: Any, what: str, accepted: str = "a real number") -> float:
+    """A real number as a float: an int or float (numpy scalars, 0-d arrays and tensors
+    accepted), not a bool nor text; another type is a ``TypeError`` saying ``what`` must be
+    ``accepted``. The caller checks the range (a ``ValueError``)."""
+    if isinstance(value, bool | str | bytes):
+        raise TypeError(f"{what} must be {accepted}, got {_shown(value)}")
+    if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # a 0-d numpy array or torch tensor
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be {accepted}, got {_shown(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float: out of any range the callers accept
+        return math.inf if value > 0 else -math.inf
+
+
+def check_flag(value: Any, what: str) -> bool:
+    """``True`` or ``False`` (exactly a bool): anything else is a ``TypeError`` naming ``what``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {_shown(value)}")
+    return value
+
+
+def check_name(value: Any, what: str) -> str | None:
+    """None or a ``str`` (an adapter's or a method's name): anything else is a ``TypeError``."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, got {_shown(value)}")
+    return value

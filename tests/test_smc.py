@@ -288,21 +288,46 @@ def test_bad_arguments_fail_before_engine_work(fresh_lm):
     before = lm.stats["engine_requests"]
     bad = [
         (dict(constraint=TokenMask(lambda g: np.zeros((len(g), lm.vocab_size), bool))), ConstraintError, "empty language"),
-        (dict(constraint=42), ConstraintError, "constraint must be"),
         (dict(n_particles=0), ValueError, "n_particles"),
         (dict(max_tokens=600), ValueError, "max_model_len"),
         (dict(lora_name="nope"), ValueError, "nope"),
         (dict(resampling="residual"), ValueError, "resampling"),
         (dict(ess_threshold=1.5), ValueError, "ess_threshold"),
         (dict(temperature=-1), ValueError, "temperature"),
-        (dict(seed="x"), (TypeError, ValueError), "seed"),
+        (dict(seed=-1), ValueError, "seed"),
         (dict(prompt_ids=[]), ValueError, "empty"),
+        # wrong types: TypeError (the engine's smc_sync and the reference path alike)
+        (dict(constraint=42), TypeError, "constraint must be"),
+        (dict(n_particles="32"), TypeError, r"n_particles must be an int >= 1, got str \('32'\)"),
+        (dict(max_tokens=8.0), TypeError, "max_tokens must be an int >= 1, got float"),
+        (dict(ess_threshold="0.5"), TypeError, "ess_threshold must be a number in"),
+        (dict(resampling=None), TypeError, "resampling must be one of"),
+        (dict(temperature="1"), TypeError, "temperature must be a finite number >= 0, got str"),
+        (dict(target_temperature=[1.0]), TypeError, "target_temperature must be a finite number > 0, got list"),
+        (dict(seed="x"), TypeError, "seed"),
+        (dict(force_eos="yes"), TypeError, "force_eos must be True or False"),
+        (dict(eos_token_ids="2"), TypeError, "eos_token_ids"),
+        (dict(lora_name=3), TypeError, "lora_name must be a str or None"),
+        (dict(in_engine="no"), TypeError, "in_engine must be True or False"),
+        (dict(in_engine=0), TypeError, "in_engine must be True or False"),
+        (dict(prompt_ids=None, prompts=[[1, 2], "ab"]), TypeError, r"prompts\[1\]"),
+        (dict(critic=3), TypeError, "critic must be a callable"),
+        (dict(prompt_ids=None, prompts=[[1, 2], [3]], max_tokens="8"), TypeError, "max_tokens must be an int"),
+        (dict(prompt_ids=None, prompts=[[1, 2], [3]], target_temperature="2"), TypeError, "target_temperature"),
     ]
     for kwargs, err, match in bad:
         args = dict(prompt_ids=prompt, constraint=Regex("[a-z]+"), n_particles=4, max_tokens=8)
         args.update(kwargs)
         with pytest.raises(err, match=match):
             lm.smc_sync(args.pop("prompt_ids"), args.pop("constraint"), args.pop("n_particles"), args.pop("max_tokens"), **args)
+    assert lm.stats["engine_requests"] == before
+    # numpy integers and floats stay accepted
+    res = lm.smc_sync(prompt, Regex("[a-z]+"), np.int64(2), np.int32(2), ess_threshold=np.float32(0.5),
+                      temperature=np.float64(1.0), target_temperature=np.array(1.0), seed=np.int64(0))
+    assert len(res.particles) == 2
+    before = lm.stats["engine_requests"]
+    with pytest.raises(TypeError, match="in_engine must be True or False"):
+        asyncio.run(lm.smc(prompt, Regex("[a-z]+"), 2, 2, in_engine="no"))
     assert lm.stats["engine_requests"] == before
 
 

@@ -48,6 +48,11 @@ logits, 151665 tokens). Rows have one column per logit, and so do ``lm.byte_voca
   at the tokenizer with rows of full width, genlm-backend's layout, gets past that check but
   fails later, with ``IndexError`` in ``str_vocab``, whenever a padding id is sampled.)
 
+This module imports without genlm-control (:func:`without_padding` needs none of genlm's
+packages); what needs it (:func:`prompted_llm`, :func:`smc`) raises an ``ImportError`` that says
+how to install it: ``pip install 'genlm-vlm[control]'``, or ``bash scripts/setup.sh control`` in
+a checkout (the demo's set-up installs the engine only).
+
 genlm-control's SMC in the engine: :func:`smc` ``(sampler, n_particles, ess_threshold,
 max_tokens)`` runs a genlm-control sampler's target (one ``PromptedLLM`` over a genlm_vlm model
 times Boolean conditions) as ``lm.smc`` and returns genlm-control's ``Sequences``
@@ -64,6 +69,7 @@ import torch
 from ..base import AsyncLM, TokenIds
 from ..vocab import unpadded_length
 from .bridge import smc
+from .options import require_genlm_control
 from .translate import UntranslatableError
 
 __all__ = ["UnpaddedLM", "UntranslatableError", "prompted_llm", "smc", "without_padding"]
@@ -186,12 +192,11 @@ def prompted_llm(lm: Any, prompt: str | Sequence[int] | None = None, **kwargs: A
 
     Text goes through ``PromptedLLM.set_prompt_from_str`` (``lm.tokenizer.encode(text)``).
     Other keyword arguments (``eos_byte_strings``, ``temperature``, ``lora_name``) go to
-    ``PromptedLLM``. Needs genlm-control (``pip install 'genlm-vlm[control]'``).
+    ``PromptedLLM``. Needs genlm-control (``pip install 'genlm-vlm[control]'``; an
+    ``ImportError`` says so).
     """
-    try:
-        from genlm.control import PromptedLLM
-    except ImportError as e:
-        raise ImportError(f"prompted_llm needs genlm-control: pip install 'genlm-vlm[control]' ({e})") from e
+    require_genlm_control("genlm_vlm.control.prompted_llm")
+    from genlm.control import PromptedLLM
 
     llm = PromptedLLM(lm, **kwargs)
     if isinstance(prompt, str):

@@ -32,11 +32,18 @@ from typing import Any
 import numpy as np
 
 from ..smc.constraints import AllOf, BoundConstraint, Constraint, TokenMask, usable_width
-from .translate import UntranslatableError, condition_constraint, is_json_schema
+from .options import (
+    FALLBACK_HINT,
+    check_options,
+    check_sampler,
+    require_genlm_control,
+    said_if_empty,
+)
+from .options import RESAMPLING as _RESAMPLING
+from .translate import EmptyLanguageError, UntranslatableError, condition_constraint, is_json_schema
 
 __all__ = ["Plan", "plan", "smc"]
 
-_RESAMPLING = ("multinomial", "stratified", "systematic")
 
 
 def _unwrap(p: Any) -> Any:
@@ -83,7 +90,7 @@ def _conditions(factors: list[Any], where: str, json_schema: bool) -> tuple[list
             if not _is_byte_join(f.f):
                 raise UntranslatableError(
                     f"{where}: coerce(..., f={f.f!r}) is not translated: only f=b''.join (the tokens' bytes, "
-                    "concatenated) maps a byte condition onto token masks"
+                    "concatenated) maps a byte condition onto token masks; coerce with f=b''.join"
                 )
             inner = _factors(f.potential)
         else:
@@ -92,26 +99,42 @@ def _conditions(factors: list[Any], where: str, json_schema: bool) -> tuple[list
             try:
                 out.append(condition_constraint(c, json_schema=json_schema))
             except UntranslatableError as e:
-                raise UntranslatableError(f"{where}: {e}") from None
+                raise type(e)(f"{where}: {e}") from None
     return llms, out
 
 
 def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan:
     """Check that ``sampler`` (and ``critic``) can run exactly in the engine and translate its
-    conditions; raises :class:`UntranslatableError` naming the part that cannot, and why."""
+    conditions; raises :class:`UntranslatableError` naming the part that cannot, why, and what
+    to do instead (``fallback=True`` among it, unless the condition accepts no text at all:
+    :class:`~.translate.EmptyLanguageError`). A ``sampler`` that is not a genlm-control token
+    sampler, or a ``critic`` that is not a potential, is a ``TypeError``."""
+    check_sampler(sampler, critic)
+    try:
+        return _plan(sampler, critic, json_schema)
+    except EmptyLanguageError:
+        raise
+    except UntranslatableError as e:
+        if "fallback=True" in str(e):
+            raise
+        raise UntranslatableError(f"{e}{FALLBACK_HINT}") from None
+
+
+def _plan(sampler: Any, critic: Any, json_schema: bool) -> Plan:
     kind = type(sampler).__name__
     if kind in ("DirectTokenSampler", "AWRS"):
         if kind == "AWRS" and not getattr(sampler, "proper_weights", True):
             raise UntranslatableError(
-                "AWRS(proper_weights=False) is not properly weighted for its target, so no exact run reproduces it"
+                "AWRS(proper_weights=False) is not properly weighted for its target, so no exact run reproduces it; "
+                "AWRS(llm, condition) with proper_weights=True (the default) targets the same and runs in the engine"
             )
         llms, conds = _conditions(_factors(sampler.target), f"{kind}'s target", json_schema)
     elif kind == "SetTokenSampler":
         inner = type(sampler.set_sampler).__name__
         if inner != "EagerSetSampler":
             raise UntranslatableError(
-                f"set sampler {inner}: only EagerSetSampler (eager_token_sampler) is mapped onto the engine "
-                "(fallback=True runs it per token)"
+                f"set sampler {inner}: only EagerSetSampler (eager_token_sampler) is mapped onto the engine; "
+                "eager_token_sampler(llm, condition) or AWRS(llm, condition) targets the same"
             )
         llms, _ = _conditions(_factors(sampler.set_sampler.iter_potential), "eager_token_sampler's LM", json_schema)
         more, conds = _conditions(_factors(sampler.set_sampler.item_potential), "eager_token_sampler's condition",
@@ -119,7 +142,8 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
         llms += more
     else:
         raise UntranslatableError(
-            f"{kind}: only direct_token_sampler, AWRS and eager_token_sampler are mapped onto the engine"
+            f"{kind}: only direct_token_sampler, AWRS and eager_token_sampler are mapped onto the engine; "
+            "direct_token_sampler(llm) or AWRS(llm, condition) over the same PromptedLLM runs there"
         )
     if critic is not None:
         if getattr(critic, "token_type", None) != getattr(sampler, "token_type", None):
@@ -131,24 +155,32 @@ def plan(sampler: Any, critic: Any = None, *, json_schema: bool = False) -> Plan
         if c_llms:
             raise UntranslatableError(
                 "the critic has a PromptedLLM factor: a weighted critic twists the intermediate targets that "
-                "resampling works on, which the engine's SMC does not do; only Boolean critics are folded into the mask"
+                "resampling works on, which the engine's SMC does not do; only Boolean critics (BoolFSA, BoolCFG) "
+                "are folded into the mask"
             )
         conds += c_conds
     if not llms:
-        raise UntranslatableError("the target has no PromptedLLM factor: there is no language model to run")
+        raise UntranslatableError(
+            "the target has no PromptedLLM factor: there is no language model to run; build the sampler over a "
+            "PromptedLLM of a genlm_vlm model, e.g. AWRS(PromptedLLM(lm, ...), condition)"
+        )
     llm = llms[0]
     from ..base import AsyncLM
 
     if not isinstance(llm.model, AsyncLM):
         raise UntranslatableError(
-            f"the PromptedLLM's model is a {type(llm.model).__name__}, not a genlm_vlm model"
+            f"the PromptedLLM's model is a {type(llm.model).__name__}, not a genlm_vlm model; build the PromptedLLM "
+            "over one, e.g. PromptedLLM(genlm_vlm.AsyncVirtualLM.from_name(name), ...)"
         )
     try:
         tau = float(llm.temperature)
     except (TypeError, ValueError):
         tau = math.nan
     if not 0.0 < tau < math.inf:
-        raise UntranslatableError(f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be > 0")
+        raise UntranslatableError(
+            f"PromptedLLM(temperature={llm.temperature!r}): the target temperature must be a finite number > 0; "
+            "use llm.spawn(temperature=1.0) (or another t > 0)"
+        )
     if len(llms) > 1:
         _check_product(llms)
     _check_padding(llm)
@@ -183,30 +215,33 @@ def _check_product(llms: list[Any]) -> None:
         if other.model is not first.model:
             raise UntranslatableError(
                 f"{where}: factor {j}'s model is another object than factor 0's; a product of prompts runs "
-                "on one genlm_vlm model (use the same model object for every PromptedLLM)"
+                "on one genlm_vlm model: use the same model object for every PromptedLLM"
             )
         if list(other.token_maps.eos_idxs) != list(first.token_maps.eos_idxs):
             raise UntranslatableError(
                 f"{where}: factor {j}'s EOS ids {list(other.token_maps.eos_idxs)} differ from factor 0's "
-                f"{list(first.token_maps.eos_idxs)}; the product ends every factor at the same EOS"
+                f"{list(first.token_maps.eos_idxs)}; the product ends every factor at the same EOS: build every "
+                "factor with the same eos_byte_strings"
             )
         if other.lora_name != first.lora_name:
             raise UntranslatableError(
                 f"{where}: factor {j}'s lora_name={other.lora_name!r} differs from factor 0's "
-                f"{first.lora_name!r}; a product of prompts runs every factor under one adapter"
+                f"{first.lora_name!r}; a product of prompts runs every factor under one adapter: give every "
+                "factor the same lora_name"
             )
     for j, f in enumerate(llms):
         if f.temperature != 1:
             raise UntranslatableError(
                 f"{where}: factor {j} has temperature={f.temperature!r}; a product of prompts runs at "
-                "temperature 1 only (lm.smc(prompts=) takes no target_temperature)"
+                "temperature 1 only (lm.smc(prompts=) takes no target_temperature): spawn the factors with "
+                "temperature=1.0"
             )
     eos = list(first.token_maps.eos_idxs)
     if len(eos) != 1:
         raise UntranslatableError(
             f"{where}: {len(eos)} EOS ids {eos}; the product's EOS weight is the product of each factor's "
             "summed EOS probability, while the engine sums the factors' product per id: they agree for one "
-            "EOS id only (use one eos_byte_string with one token)"
+            "EOS id only: use one eos_byte_string that is one token"
         )
 
 
@@ -364,21 +399,31 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     ``BoolFSA``, ``BoolCFG`` (ASCII), products of these, coerced with ``f=b"".join``;
     ``JsonSchema`` with ``json_schema=True`` only (xgrammar's JSON language, see docs/API.md).
     ``seed`` makes the engine run reproducible. Anything else raises
-    :class:`~genlm_vlm.control.translate.UntranslatableError` naming what and why; with
-    ``fallback=True`` genlm-control runs it itself, per token, instead.
+    :class:`~genlm_vlm.control.translate.UntranslatableError` naming what, why and what to do
+    instead; with ``fallback=True`` genlm-control runs it itself, per token, instead. Options of
+    the wrong type raise ``TypeError``, before anything runs.
+
+    A run in which no particle finished (every particle died, e.g. at the forced EOS where the
+    condition does not accept the text yet) warns (:class:`~genlm_vlm.smc.EmptyPosteriorWarning`) that the posterior is empty
+    and says what to change; ``Sequences`` is returned all the same.
     """
+    check_options(n_particles, ess_threshold, max_tokens, seed, fallback, json_schema, resampling_method, in_engine)
+    check_sampler(sampler, critic)
     if resampling_method not in _RESAMPLING:
         if not fallback:
             raise UntranslatableError(
-                f"resampling_method={resampling_method!r} is not one of lm.smc's ({', '.join(_RESAMPLING)})"
+                f"resampling_method={resampling_method!r} is not one of lm.smc's ({', '.join(_RESAMPLING)}): "
+                f"use one of those{FALLBACK_HINT}"
             )
-        return await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic, resampling_method)
+        return said_if_empty(await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic,
+                                              resampling_method), max_tokens)
     try:
         p = plan(sampler, critic, json_schema=json_schema)
     except UntranslatableError:
         if not fallback:
             raise
-        return await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic, resampling_method)
+        return said_if_empty(await _fallback(sampler, n_particles, ess_threshold, max_tokens, critic,
+                                              resampling_method), max_tokens)
     llm = p.llm
     if len(p.llms) > 1:  # a product of prompts: lm.smc(None, ..., prompts=[...]), temperature 1
         prompt, extra = None, {"prompts": [list(f.prompt_ids) for f in p.llms]}
@@ -389,7 +434,9 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
         resampling=resampling_method, seed=seed, lora_name=llm.lora_name,
         eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, in_engine=in_engine, **extra,
     )
-    return to_sequences(llm, result)
+    seqs = to_sequences(llm, result)
+    # A result that carries its own reason (empty_reason) was announced by lm.smc already.
+    return seqs if getattr(result, "empty_reason", None) else said_if_empty(seqs, max_tokens)
 
 
 async def _fallback(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: int, critic: Any,
@@ -410,6 +457,7 @@ def to_sequences(llm: Any, result: Any) -> Any:
     float rounding: it is summed again), ``posterior`` the finished texts' normalised weights,
     and ``ess`` the effective sample size of the finished particles' final weights (not the
     run's per-step ``ess``). With the bridge's ``force_eos=True`` no particle is cut."""
+    require_genlm_control("genlm_vlm.control.smc")
     from genlm.control.constant import EOS
     from genlm.control.sampler.sequence import Sequences
 
@@ -426,3 +474,4 @@ def to_sequences(llm: Any, result: Any) -> Any:
             ctx.append(EOS)
         contexts.append(ctx)
     return Sequences(contexts, [float(w) for w in lw])
+

@@ -33,12 +33,18 @@ from typing import Any
 
 from ..smc.constraints import Grammar, JSONSchema
 
-__all__ = ["UntranslatableError", "cache_counts", "cfg_ebnf", "condition_constraint", "content_key", "fsa_ebnf",
-           "is_json_schema"]
+__all__ = ["EmptyLanguageError", "UntranslatableError", "cache_counts", "cfg_ebnf", "condition_constraint",
+           "content_key", "fsa_ebnf", "is_json_schema"]
 
 
 class UntranslatableError(ValueError):
-    """A genlm-control condition with no exact xgrammar grammar (the message says why)."""
+    """A genlm-control condition with no exact xgrammar grammar, or a sampler the engine cannot
+    run exactly (the message says why and what to do instead)."""
+
+
+class EmptyLanguageError(UntranslatableError):
+    """A condition that accepts no text at all: no run, in the engine or genlm-control's, can
+    finish under it."""
 
 
 # ------------------------------------------------------------------------------ EBNF text
@@ -132,7 +138,7 @@ def fsa_ebnf(fsa: Any, what: str = "BoolFSA") -> str:
     finals = {q for q, w in machine.F if w != zero}
     starts = [q for q, w in machine.I if w != zero]
     if not starts:
-        raise UntranslatableError(f"{what}: the language is empty (no string is accepted)")
+        raise EmptyLanguageError(f"{what}: the language is empty (no string is accepted): check the condition")
     names: dict[Any, str] = {}
     order: list[Any] = []
 
@@ -234,7 +240,9 @@ def cfg_ebnf(cfg: Any, what: str = "BoolCFG") -> str:
                 parts.append(name(sym))
         bodies[rule.head].append(" ".join(parts) if parts else '""')
     if trimmed.S not in bodies:
-        raise UntranslatableError(f"{what}: the language is empty (no string derives from the start symbol)")
+        raise EmptyLanguageError(
+            f"{what}: the language is empty (no string derives from the start symbol): check the grammar"
+        )
     lines = [f"root ::= {name(trimmed.S)}"]
     for head, alts in bodies.items():
         lines.append(f"{name(head)} ::= {' | '.join(alts)}")
@@ -394,11 +402,12 @@ def condition_constraint(potential: Any, *, json_schema: bool = False) -> Any:
     elif kind in ("WFSA", "WCFG"):
         raise UntranslatableError(
             f"{kind} is a weighted potential: its weights are not a 0/-inf condition, and only Boolean "
-            "conditions become token masks (use BoolFSA / BoolCFG)"
+            "conditions become token masks: use BoolFSA / BoolCFG for a condition"
         )
     else:
         raise UntranslatableError(
-            f"{kind}: not a condition the bridge translates (BoolFSA, BoolCFG, opt-in JsonSchema)"
+            f"{kind}: not a condition the bridge translates; it translates BoolFSA, BoolCFG and (with "
+            "json_schema=True) JsonSchema"
         )
     try:
         potential.__dict__[_CACHE] = out

@@ -14,7 +14,7 @@ import numbers
 import time
 from typing import Any
 
-from ..checks import as_token_ids, check_seed
+from ..checks import as_token_ids, check_count, check_flag, check_name, check_real, check_seed
 from .algorithm import RESAMPLING, SMCController, SMCResult, warn_if_empty
 from .constraints import Constraint, as_constraint
 from .controller import drive
@@ -75,57 +75,49 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
             ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
             lora_name: str | None = None, eos_token_ids: Any = None, force_eos: Any = False,
             target_temperature: Any = 1.0, build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
-    """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller; every
-    problem raises ``ValueError`` (or ``TypeError``/:class:`ConstraintError`) naming it. With
+    """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller: a wrong
+    type raises ``TypeError``, a wrong value ``ValueError`` (:class:`ConstraintError` for a
+    constraint that does not compile or allows nothing), each naming the argument. With
     ``build=False`` the constraint is still compiled (that is where a bad pattern or an empty
     language shows), but no controller (with its ``n_particles`` matchers) is made: None."""
     prompt = lm._check_ids(prompt_ids, "prompt_ids")
-    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles < 1:
-        raise ValueError(f"n_particles must be an int >= 1, got {n_particles!r}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    n_particles = check_count(n_particles, "n_particles")
+    max_tokens = check_count(max_tokens, "max_tokens")
     limit = getattr(lm, "max_model_len", None)
-    if isinstance(limit, int) and len(prompt) + int(max_tokens) > limit:
+    if isinstance(limit, int) and len(prompt) + max_tokens > limit:
         raise ValueError(
             f"prompt_ids ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len={limit}: "
             f"lower max_tokens to at most {limit - len(prompt)}, or build the model with a larger max_model_len"
         )
-    try:
-        thr = float(ess_threshold)
-    except (TypeError, ValueError):
-        thr = math.nan
-    if isinstance(ess_threshold, bool) or not 0.0 <= thr <= 1.0:
+    thr = check_real(ess_threshold, "ess_threshold", "a number in [0, 1]")
+    if not 0.0 <= thr <= 1.0:
         raise ValueError(f"ess_threshold must be a number in [0, 1], got {ess_threshold!r}")
+    if not isinstance(resampling, str):
+        raise TypeError(f"resampling must be one of {', '.join(RESAMPLING)} (a str), got {type(resampling).__name__}")
     if resampling not in RESAMPLING:
         raise ValueError(f"resampling must be one of {', '.join(RESAMPLING)}; got {resampling!r}")
-    try:
-        temp = float(temperature)
-    except (TypeError, ValueError):
-        temp = math.nan
-    if isinstance(temperature, bool) or not (0.0 <= temp < math.inf):
+    temp = check_real(temperature, "temperature", "a finite number >= 0")
+    if not 0.0 <= temp < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    try:
-        tau = float(target_temperature)
-    except (TypeError, ValueError):
-        tau = math.nan
-    if isinstance(target_temperature, bool) or not (0.0 < tau < math.inf):
+    tau = check_real(target_temperature, "target_temperature", "a finite number > 0")
+    if not 0.0 < tau < math.inf:
         raise ValueError(f"target_temperature must be a finite number > 0, got {target_temperature!r}")
     seed = check_seed(seed, "seed")
     if seed is not None and seed < 0:  # numpy's generator, which draws the run's numbers, takes none
         raise ValueError(f"seed must be None or an int >= 0 for smc (it seeds numpy's default_rng), got {seed}")
-    if not isinstance(force_eos, bool):
-        raise ValueError(f"force_eos must be True or False, got {force_eos!r}")
+    check_flag(force_eos, "force_eos")
+    check_name(lora_name, "lora_name")
     loras = getattr(lm, "_loras", None)
     if loras is not None:
         loras.resolve(lora_name)  # an unknown adapter fails here, before any engine work
     elif lora_name is not None:
-        raise ValueError(f"{type(lm).__name__} has no LoRA adapters (lora_name={lora_name!r})")
+        raise ValueError(f"{type(lm).__name__} has no LoRA adapters (lora_name={lora_name!r}): pass lora_name=None")
     eos = _eos_ids(lm, eos_token_ids)
     bound = bind(lm, constraint, eos)
     if not build:
         return prompt, None
     controller = SMCController(
-        bound, int(n_particles), int(max_tokens), eos_ids=eos, byte_vocab=text_vocab(lm),
+        bound, n_particles, max_tokens, eos_ids=eos, byte_vocab=text_vocab(lm),
         ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed, force_eos=force_eos,
         target_temperature=tau,
     )
@@ -158,8 +150,9 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
 
 async def smc(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *, in_engine: bool = True,
               prompts: Any = None, critic: Any = None, **kwargs: Any) -> SMCResult:
-    """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``prompts``, ``critic``, then
-    :func:`prepare`'s), then :func:`run`."""
+    """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``in_engine``, ``prompts``,
+    ``critic``, then :func:`prepare`'s), then :func:`run`."""
+    check_flag(in_engine, "in_engine")
     prompt, prompts, critic = check_options(lm, prompt_ids, max_tokens, prompts, critic, kwargs)
     prompt, controller = prepare(lm, prompt, constraint, n_particles, max_tokens, **kwargs)
     return await run(lm, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=in_engine,

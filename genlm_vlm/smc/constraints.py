@@ -549,14 +549,14 @@ class AllOf(Constraint):
 
 def as_constraint(obj: Any) -> Constraint:
     """``obj`` as a :class:`Constraint`: a constraint as it is; a ``str`` is a regular expression,
-    a ``dict`` a JSON schema; anything else is refused with a message saying what to pass."""
+    a ``dict`` a JSON schema; anything else is a ``TypeError`` saying what to pass."""
     if isinstance(obj, Constraint):
         return obj
     if isinstance(obj, str):
         return Regex(obj)
     if isinstance(obj, dict):
         return JSONSchema(obj)
-    raise ConstraintError(
+    raise TypeError(
         f"constraint must be a genlm_vlm.smc constraint (Regex, JSONSchema, Grammar, TokenMask, AllOf), a regex "
         f"string or a JSON-schema dict; got {type(obj).__name__}"
     )

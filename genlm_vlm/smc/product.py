@@ -63,7 +63,8 @@ def check_prompts(lm: Any, prompt_ids: Any, prompts: Any, max_tokens: Any = None
                          "pass prompt_ids= for a single prompt")
     out = tuple(lm._check_ids(p, f"prompts[{j}]") for j, p in enumerate(prompts))
     limit = getattr(lm, "max_model_len", None)
-    if isinstance(limit, int) and max_tokens is not None:
+    # max_tokens of another type is prepare's TypeError, after this
+    if isinstance(limit, int) and isinstance(max_tokens, numbers.Integral) and not isinstance(max_tokens, bool):
         for j, p in enumerate(out):
             if len(p) + int(max_tokens) > limit:
                 raise ValueError(
@@ -90,7 +91,8 @@ def check_options(lm: Any, prompt_ids: Any, max_tokens: Any, prompts: Any, criti
     ``prod_j p(x | p_j)``."""
     prompt, checked = resolve_prompts(lm, prompt_ids, prompts, max_tokens)
     tau = others.get("target_temperature")
-    if checked is not None and tau is not None and tau != 1:
+    # a target_temperature that is not a number is prepare's TypeError, after this
+    if checked is not None and isinstance(tau, numbers.Real) and not isinstance(tau, bool) and tau != 1:
         raise ValueError(f"prompts= (a product of prompts) takes no target_temperature (got {tau!r}): tempering "
                          "normalises each step's product, a different target; use temperature= (the proposal)")
     return prompt, checked, check_critic(critic)
