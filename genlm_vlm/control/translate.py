@@ -181,7 +181,7 @@ def fsa_automaton(fsa: Any, what: str = "BoolFSA") -> Any:
 
     starts = [state(q) for q, w in machine.I if w != zero]
     if not starts:
-        raise UntranslatableError(f"{what}: the language is empty (no string is accepted)")
+        raise EmptyLanguageError(f"{what}: the language is empty (no string is accepted): check the condition")
     finals = frozenset(state(q) for q, w in machine.F if w != zero)
     arcs: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     todo = list(number)
