@@ -228,7 +228,9 @@ async def test_forks_share_kv_only_under_their_own_adapter(lora_lm, adapters, mo
     for name in names:
         ref = hf_reference_logprobs(model_paths["llama"], kids,
                                     lora_path=None if name is None else adapters[name])
-        assert max_abs_diff(rows[name], ref) < 1e-4, name
+        # 5e-4: float32 kernel noise on a 46-token context under adapter b reaches 1.85e-4 on some
+        # CPUs, for rows computed without any fork too; another adapter's KV is off by > 0.1 nats
+        assert max_abs_diff(rows[name], ref) < 5e-4, name
 
 
 def test_the_scheduler_never_shares_a_tail_across_adapters(lora_lm, adapters, model_paths):

@@ -22,21 +22,24 @@ def test_grammar_masks_are_filled_over_the_usable_columns_only():
     """A model whose logit matrix is much wider than its tokenizer: the grammar is compiled for
     the tokens with bytes and EOS, the bitmasks keep the ``[m, ceil(V/32)]`` shape, the padding
     words are zero, and the allowed tokens are those of a grammar compiled over every column."""
-    import xgrammar as xgr
-
     vocab, eos = _vocab()
     width = 4096
     assert fill_width(vocab, [eos], width) == len(vocab)
-    bound = Regex("[a-c ]{2,5}").bind(vocab, [eos], width)
+    for max_states in (2, None):  # xgrammar (the pattern past its DFA cap), then the token automaton
+        _check_fill(Regex("[a-c ]{2,5}", max_states=max_states).bind(vocab, [eos], width), vocab, eos, width)
+
+
+def _check_fill(bound, vocab, eos, width):
+    import xgrammar as xgr
+
     full = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=width,
                                                  stop_token_ids=[eos])).compile_regex("[a-c ]{2,5}")
     states = [bound.initial() for _ in range(3)]
     ref = [xgr.GrammarMatcher(full) for _ in range(3)]
     for path in ([], [vocab.index(b"a")], [vocab.index(b"a"), vocab.index(b"ba")]):
-        for s, r in zip(states, ref, strict=True):
-            for tok in path[-1:]:
-                bound.advance(s, tok)
-                assert r.accept_token(tok)
+        for tok in path[-1:]:
+            states = [bound.advance(s, tok) for s in states]
+            assert all(r.accept_token(tok) for r in ref)
         bits = bound.bitmasks(states)
         assert bits.dtype == torch.int32 and tuple(bits.shape) == (3, width // 32)
         assert not bits[:, 2:].any()  # 40 tokens: two words
