@@ -36,9 +36,18 @@ controller's (``forced_ok``), and ``forced`` against ``burst`` for the same seed
 every particle's tokens and log weight bitwise equal; else the particles whose texts match and
 the largest log-weight difference). Cells: ``steady`` (``[a-z ]{1000}``, ``ess_threshold=0``:
 N live, distinct particles every step, no resampling) and ``resample`` (``[a-z ]+``,
-``ess_threshold=0.5``: particles finish and resample). Throughput is particle-steps per second;
-``forced/decode`` and ``burst/decode`` are ratios of medians within one run. The load average
-at the start is recorded (the machine may be shared).
+``ess_threshold=0.5``: particles finish and resample). In ``resample`` the work differs in
+shape: decode runs N sequences of (the burst's warm-up rows / N) tokens, the SMC systems a
+batch that shrinks as particles finish, over T steps; and ``forced`` leaves out the steps of
+particles that resampling made copies of live parents after their own request had ended
+(``missing``). Compare ``forced`` with ``burst`` there.
+
+Throughput is particle-steps per second; ``forced/decode`` and ``burst/decode`` are ratios of
+medians within one run. On a shared machine a repetition can take several times longer when one
+of an engine's threads waits for a core; such a repetition shows as a process CPU time near one
+core's although the engine runs more threads. Also reported: the ratios over *clean* repetitions
+only (CPU time at least 0.75 x threads x wall, with their counts), of the best repetitions, and
+per CPU-second. The load average at the start and per repetition is recorded.
 
     .venv/bin/python benchmarks/ab_decode_smc.py --n 32 128 --t 48 --reps 3
     .venv/bin/python benchmarks/ab_decode_smc.py --quick
@@ -100,11 +109,18 @@ def prompt_ids(tokenizer: Any) -> list[int]:
     return ids + tokenizer.encode(PROMPT, add_special_tokens=False)
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def engine_facts(llm: Any) -> dict[str, Any]:
     cfg = llm.llm_engine.vllm_config
     return {"block_size": cfg.cache_config.block_size, "prefix_caching": cfg.cache_config.enable_prefix_caching,
             "max_num_seqs": cfg.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+            "async_scheduling": cfg.scheduler_config.async_scheduling, "torch_threads": _threads(),
             "dtype": str(cfg.model_config.dtype), "enforce_eager": cfg.model_config.enforce_eager,
             "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV")}
 
@@ -206,8 +222,9 @@ def forced_processor() -> type:
                     run.resample_steps += 1
                     run.forked += len(moved)
                     run.events.append([run.prompt + list(ctl.tokens[i]) for i in moved])
+            done = set(rows_out)
             for p, r in pairs:  # requests whose particle has ended (a resampled copy): end them
-                if ctl.status[p] != "live" and r not in rows_out:
+                if ctl.status[p] != "live" and r not in done:
                     rows_out.append(r)
                     toks.append(eos)
             if rows_out:
@@ -232,7 +249,7 @@ class Burst:
     def facts(self) -> dict[str, Any]:
         st = self.lm.stats
         return {"prompt_tokens": len(self.prompt), "batch_invariant": st.get("batch_invariant"),
-                "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV")}
+                "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV"), "torch_threads": _threads()}
 
     def run(self, cell: str, n: int, t: int, seed: int, **_: Any) -> dict[str, Any]:
         from genlm_vlm.smc import Regex
@@ -370,7 +387,10 @@ def worker_main(system: str, path: str) -> int:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
-        print(RESULT + json.dumps(sys_obj.run(**cmd)), flush=True)
+        out = sys_obj.run(**cmd)
+        out["load"] = os.getloadavg()[0]
+        out["threads"] = _threads()
+        print(RESULT + json.dumps(out), flush=True)
     sys_obj.close()
     return 0
 
@@ -378,11 +398,12 @@ def worker_main(system: str, path: str) -> int:
 class Worker:
     """One system in its own process."""
 
-    def __init__(self, system: str, path: str, log_dir: pathlib.Path) -> None:
+    def __init__(self, system: str, path: str, log_dir: pathlib.Path, env: dict[str, str] | None = None) -> None:
         self.system = system
         self.log = open(log_dir / f"{system}.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", system, "--model", path],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, **(env or {})})
         self.facts = self._read()["facts"]
 
     def _read(self) -> dict[str, Any]:
@@ -404,6 +425,14 @@ class Worker:
             self.proc.stdin.close()
             self.proc.wait(timeout=120)
         self.log.close()
+
+
+def _clean(r: dict[str, Any]) -> bool:
+    """Whether a repetition kept its engine's threads on the CPUs (a shared machine can leave one
+    thread of a parallel region waiting for a core: the run then takes several times longer at
+    about one core's CPU time). Without the thread count, every repetition counts as clean."""
+    threads = r.get("threads")
+    return threads is None or threads <= 1 or r["cpu_s"] >= 0.75 * threads * r["wall_s"]
 
 
 def compare(burst: list[Any], forced: list[Any]) -> dict[str, Any]:
@@ -432,6 +461,11 @@ def measure(workers: dict[str, Any], cell: str, n: int, t: int, reps: int) -> di
         summary = {k: statistics.median(r[k] for r in rs) for k in rs[0]
                    if isinstance(rs[0][k], int | float) and not isinstance(rs[0][k], bool)}
         summary["steps_per_s"] = statistics.median(r["particle_steps"] / r["wall_s"] for r in rs)
+        summary["steps_per_cpu_s"] = statistics.median(r["particle_steps"] / r["cpu_s"] for r in rs)
+        summary["best_steps_per_s"] = max(r["particle_steps"] / r["wall_s"] for r in rs)  # the least disturbed rep
+        clean = [r for r in rs if _clean(r)]
+        summary["clean_reps"] = len(clean)
+        summary["clean_steps_per_s"] = statistics.median(r["particle_steps"] / r["wall_s"] for r in clean) if clean else None
         summary["walls"] = [round(r["wall_s"], 4) for r in rs]
         if s == "forced":
             summary["with_forks_steps_per_s"] = statistics.median(
@@ -449,6 +483,15 @@ def measure(workers: dict[str, Any], cell: str, n: int, t: int, reps: int) -> di
                 out["ratios"][f"{s}/decode"] = sy[s]["steps_per_s"] / dec
         if "forced" in sy:
             out["ratios"]["forced+forks/decode"] = sy["forced"]["with_forks_steps_per_s"] / dec
+        for s in ("burst", "forced"):
+            if s in sy:
+                out["ratios"][f"{s}/decode (best)"] = sy[s]["best_steps_per_s"] / sy["decode"]["best_steps_per_s"]
+        for s in ("burst", "forced"):
+            if s in sy and sy[s]["clean_steps_per_s"] and sy["decode"]["clean_steps_per_s"]:
+                out["ratios"][f"{s}/decode (clean)"] = sy[s]["clean_steps_per_s"] / sy["decode"]["clean_steps_per_s"]
+        for s in ("burst", "forced"):  # per CPU-second of each process: less sensitive to a shared machine
+            if s in sy:
+                out["ratios"][f"{s}/decode (CPU)"] = sy[s]["steps_per_cpu_s"] / sy["decode"]["steps_per_cpu_s"]
     if "burst" in sy and "forced" in sy:
         out["ratios"]["forced/burst"] = sy["forced"]["steps_per_s"] / sy["burst"]["steps_per_s"]
     return out
@@ -459,9 +502,9 @@ def table(cells: list[dict[str, Any]]) -> str:
         return "-" if x is None else f"{x:.{d}f}"
 
     lines = ["| cell | N | T | decode steps/s | burst/decode | forced/decode | forced+forks/decode | "
-             "particle-steps b/d/f | distinct b/d/f | resample steps (forked) | same seed | forced ms/step: "
+             "burst/decode, forced/decode: clean reps (b/d/f); best reps; per CPU-s | particle-steps b/d/f | distinct b/d/f | resample steps (forked) | same seed | forced ms/step: "
              "wall, processor, controller (masks, rest) | burst ctl ms/step | CPU/wall b/d/f |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         sy, r = c["systems"], c["ratios"]
         b, d, fo = sy.get("burst", {}), sy.get("decode", {}), sy.get("forced", {})
@@ -472,6 +515,10 @@ def table(cells: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {c['cell']} | {c['n']} | {c['t']} | {f(d.get('steps_per_s'), 0)} | {f(r.get('burst/decode'))} | "
             f"{f(r.get('forced/decode'))} | {f(r.get('forced+forks/decode'))} | "
+            f"{f(r.get('burst/decode (clean)'))}, {f(r.get('forced/decode (clean)'))} "
+            f"({'/'.join(str(x.get('clean_reps', '-')) for x in (b, d, fo))}); "
+            f"{f(r.get('burst/decode (best)'))}, {f(r.get('forced/decode (best)'))}; "
+            f"{f(r.get('burst/decode (CPU)'))}, {f(r.get('forced/decode (CPU)'))} | "
             f"{b.get('particle_steps', '-')}/{d.get('particle_steps', '-')}/{fo.get('particle_steps', '-')} | "
             f"{b.get('distinct_texts', '-')}/{d.get('distinct_texts', '-')}/{fo.get('distinct_texts', '-')} | "
             f"{fo.get('resample_steps', '-')} ({fo.get('forked', '-')}) | {seed} | "
@@ -498,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--t", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--threads-bind", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND for every engine (e.g. 0: one thread on CPU 0; default: vLLM's)")
     ap.add_argument("--quick", action="store_true", help="N = 4, T = 6, 1 rep")
     ap.add_argument("--out", default="benchmarks/results/ab_decode_smc.json")
     ap.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
@@ -510,11 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ab_decode_smc-"))
+    env = {} if args.threads_bind is None else {"VLLM_CPU_OMP_THREADS_BIND": args.threads_bind}
     workers: dict[str, Worker] = {}
     cells = []
     try:
         for s in args.systems:  # built one after another: builds do not compete
-            workers[s] = Worker(s, path, log_dir)
+            workers[s] = Worker(s, path, log_dir, env)
         for cell in args.cells:
             for n in args.n:
                 c = measure(workers, cell, n, args.t, args.reps)
@@ -531,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             s.pop("fingerprint", None)
     with open(out, "w") as fh:
         json.dump({"argv": sys.argv[1:], "machine": platform.platform(), "cpus": os.cpu_count(), "load_at_start": load,
-                   "load_at_end": os.getloadavg(), "engine_opts": ENGINE_OPTS, "model": path,
+                   "load_at_end": os.getloadavg(), "engine_opts": ENGINE_OPTS, "worker_env": env, "model": path,
                    "facts": {s: w.facts for s, w in workers.items()}, "cells": cells}, fh, indent=1, default=str)
     print(f"wrote {out} (worker logs in {log_dir})")
     return 0
