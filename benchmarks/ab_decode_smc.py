@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--threads-bind", default=None,
-                    help="VLLM_CPU_OMP_THREADS_BIND for every engine (e.g. 0: one thread on CPU 0; default: vLLM's)")
+                    help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: vLLM's own binding)")
     ap.add_argument("--quick", action="store_true", help="N = 4, T = 6, 1 rep")
     ap.add_argument("--out", default="benchmarks/results/ab_decode_smc.json")
     ap.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
