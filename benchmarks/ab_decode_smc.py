@@ -68,12 +68,13 @@ import tempfile
 import time
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 _HERE = pathlib.Path(__file__).resolve().parent
-if str(_HERE.parent) not in sys.path:
+if str(_HERE.parent) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(_HERE.parent))
+
+from benchmarks import harness  # noqa: E402
+
+harness.setup_environment()  # before vLLM is imported
 
 #: Options of all three engines (genlm_vlm's defaults go under them in the plain ones too).
 ENGINE_OPTS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "block_size": 32,

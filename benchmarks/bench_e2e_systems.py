@@ -14,14 +14,14 @@ import time
 import warnings
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
 _HERE = pathlib.Path(__file__).resolve().parent
 ROOT = _HERE.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402
+
+harness.setup_environment()  # before vLLM is imported
 
 #: Engine options of both vLLM engines (genlm_vlm's defaults go under them, see module doc).
 ENGINE_OPTS: dict[str, Any] = {

@@ -13,12 +13,13 @@ import sys
 from collections import Counter
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 _HERE = pathlib.Path(__file__).resolve().parent
-if str(_HERE.parent) not in sys.path:
+if str(_HERE.parent) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(_HERE.parent))
+
+from benchmarks import harness  # noqa: E402
+
+harness.setup_environment()  # before vLLM is imported
 
 import torch  # noqa: E402
 

@@ -164,6 +164,19 @@ def _literal_set(c: int, flags: int, negate: bool) -> Ranges:
 
 
 # ------------------------------------------------------------------------------ the code point NFA
+def epsilon_closure(eps: Sequence[Sequence[int]], states: Iterable[int]) -> frozenset[int]:
+    """``states`` and every state reached from them by epsilon moves (``eps[s]``: the states
+    ``s`` moves to without input)."""
+    seen = set(states)
+    todo = list(seen)
+    while todo:
+        for t in eps[todo.pop()]:
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return frozenset(seen)
+
+
 @dataclass
 class CharNFA:
     """A nondeterministic automaton over code points: ``eps[s]`` the states ``s`` moves to
@@ -176,15 +189,8 @@ class CharNFA:
     final: int
 
     def closure(self, states: Iterable[int]) -> frozenset[int]:
-        seen = set(states)
-        todo = list(seen)
-        eps = self.eps
-        while todo:
-            for t in eps[todo.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return frozenset(seen)
+        """``states`` and every state their epsilon moves reach."""
+        return epsilon_closure(self.eps, states)
 
     def byte_dfa(self, max_states: int = MAX_DFA_STATES) -> ByteDFA:
         """The minimal DFA over the UTF-8 bytes of the accepted strings (raises
@@ -468,15 +474,8 @@ class ByteNFA:
         return cls(eps, arcs, nfa.start, frozenset([nfa.final]))
 
     def closure(self, states: Iterable[int]) -> frozenset[int]:
-        seen = set(states)
-        todo = list(seen)
-        eps = self.eps
-        while todo:
-            for t in eps[todo.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return frozenset(seen)
+        """``states`` and every state their epsilon moves reach."""
+        return epsilon_closure(self.eps, states)
 
     def dfa(self, max_states: int = MAX_DFA_STATES) -> ByteDFA:
         """Subset construction, then minimisation (state 0 is the dead state)."""
