@@ -571,3 +571,22 @@ def test_strided_uniforms_and_bitmasks_are_taken():
     want = S.to_host(*S.propose(rows, bits.contiguous(), u.contiguous().numpy(), 1.0, path="gather"))
     assert got[0] == want[0]
     np.testing.assert_allclose(got[1], want[1], rtol=FUSED_REL, atol=FUSED_REL)
+
+
+def test_scratch_buffers_made_in_inference_mode_serve_a_later_step_outside_it():
+    """A step run inside ``torch.inference_mode`` (as in vLLM's sampler) and then one outside it,
+    on the same thread: the per-thread scratch buffers are ordinary tensors, so both run (an
+    inference-tensor buffer failed the second with "Inplace update to inference tensor")."""
+    import genlm_vlm.smc.step_cpu as C
+
+    for name in ("keep", "e", "masses", "picks"):
+        if hasattr(C._workspace, name):
+            delattr(C._workspace, name)
+    rng = np.random.default_rng(5)
+    rows = torch.log_softmax(torch.from_numpy(rng.normal(size=(4, 300)).astype(np.float32)), dim=1)
+    bits = S.pack(np.ones((4, 300), dtype=bool))
+    u = rng.random(4)
+    with torch.inference_mode():
+        inside = S.to_host(*S.propose(rows.clone(), bits, u, path="dense"))
+    outside = S.to_host(*S.propose(rows.clone(), bits, u, path="dense"))
+    assert inside[0] == outside[0] and np.array_equal(inside[1], outside[1])

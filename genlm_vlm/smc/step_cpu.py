@@ -39,10 +39,14 @@ _workspace = threading.local()
 
 
 def _buffer(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread scratch buffer of at least ``n`` entries (contents left from earlier use)."""
+    """A per-thread scratch buffer of at least ``n`` entries (contents left from earlier use).
+    Always an ordinary tensor, even when first made inside ``torch.inference_mode`` (a step run in
+    vLLM's sampler, say): an inference tensor could not be written by a later step on the same
+    thread outside that mode."""
     buf = getattr(_workspace, name, None)
     if buf is None or buf.numel() < n or buf.dtype != dtype:
-        buf = torch.empty(n, dtype=dtype)
+        with torch.inference_mode(False):
+            buf = torch.empty(n, dtype=dtype)
         setattr(_workspace, name, buf)
     return buf[:n]
 
