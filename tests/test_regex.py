@@ -229,3 +229,22 @@ def test_states_of_one_class_allow_the_same_tokens() -> None:
             rows[cls[s]] = row
         if pattern == r"[a-z ]{40}":  # a counter: states further than the longest token from its end share one row
             assert len(rows) <= walk.longest + 3 < dfa.n_states
+
+
+@pytest.mark.parametrize("list_upto", [2048, 0])
+def test_advance_walks_the_same_in_a_list_or_a_numpy_table(list_upto: int, monkeypatch) -> None:
+    """Small DFAs are walked in a Python list copy of the table, large ones in the numpy table
+    itself (a list copy would cost ~90 MB at 10,000 states): the same states either way."""
+    import genlm_vlm.smc.automaton as A
+
+    monkeypatch.setattr(A, "LIST_TABLE_UPTO", list_upto)
+    vocab = _mixed_vocab(random.Random(6))
+    pattern = r"(?:é|ab|\d)+"
+    bound = Regex(pattern).bind(vocab, [0], len(vocab), {})
+    assert isinstance(bound.masks_table._table, list if list_upto else np.ndarray)
+    text = "éab12é"
+    state = bound.initial()
+    for ch in ("é", "ab", "1", "2", "é"):
+        state = bound.advance(state, vocab.index(ch.encode()))
+    dfa = compile_regex(pattern).byte_dfa()
+    assert bool(bound.masks_table.dfa.accept[state]) == dfa.matches(text.encode()) is True

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 #: Bytes of bitmask rows one (pattern, vocabulary) table may keep (least recently used dropped).
 MASK_BYTES = 64 << 20
+#: DFAs up to this many states are walked (advance) in a Python list copy of their table.
+LIST_TABLE_UPTO = 2048
 #: Past this many tokens still walking, a fill keeps only the live ones for the next byte.
 COMPACT_ABOVE = 8192
 
@@ -105,7 +107,9 @@ class TokenMasks:
 
         self.dfa = dfa
         self.walk = walk
-        self._table = dfa.table.tolist()  # scalar walks (advance) index lists: faster than numpy
+        # Scalar walks (advance) index Python lists, faster than numpy scalars; a large DFA keeps
+        # its numpy table (a list copy costs ~36 bytes an entry: 90 MB at 10,000 states).
+        self._table = dfa.table.tolist() if dfa.n_states <= LIST_TABLE_UPTO else dfa.table
         #: A state's row key: states that allow the same tokens share a row (see
         #: :meth:`~.regex.ByteDFA.classes_within`: ``[a-z]{1000}`` has 1,001 states but, over
         #: tokens of at most 16 bytes, 17 rows).
@@ -203,7 +207,7 @@ class TokenMasks:
         """The DFA state after ``data`` from ``state`` (0: dead)."""
         table = self._table
         for byte in data:
-            state = table[state][byte]
+            state = int(table[state][byte])
             if not state:
                 return 0
         return state
