@@ -29,7 +29,7 @@ much of vLLM's log is shown), :mod:`genlm_vlm.testing` (tiny local models for te
 (lm-evaluation-harness on these models and the ``eval`` command; the ``eval`` extra),
 :mod:`genlm_vlm.smc` (constrained SMC inside the engine: constraints, results, the controller
 seam). Everything else is internal and may change
-without notice: ``base``, ``checks``, ``serving``, ``vllm_lm``, ``mock``, ``batching``, ``cache``, ``capture``,
+without notice: ``base``, ``continuation``, ``checks``, ``serving``, ``vllm_lm``, ``mock``, ``batching``, ``cache``, ``capture``,
 ``rowring``, ``lora``, ``sync_rows``, ``dedup``, ``_mailbox``, ``_lazy``, ``engine``, ``replicas``, ``cli``, ``_paths``,
 ``_genlm_compat``, ``_version``, and the submodules of the packages above (import the public names from the
 package: ``genlm_vlm.vocab.Token``, not ``genlm_vlm.vocab.token.Token``). The model classes

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from .base import ClosedError, SampleArgs, TokenIds, _topk
+from .base import ClosedError, SampleArgs, TokenIds
 from .batching import AutoBatcher
 from .cache import OutputCache
 from .checks import check_flag
+from .continuation import _topk
 from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
 from .engine.scoring import ScoreResult, ScoreSpec
 from .lora import Adapter, UnknownAdapterError
