@@ -240,14 +240,21 @@ _RUN = re.compile(r"^SMC: (\d+) steps, (?:resampled (once|\d+ times) \(after ste
 _ENDED = re.compile(r"^particles: (\d+) of (\d+) ended with EOS, (\d+) cut off by --max-tokens (\d+)", re.M)
 
 
-def test_default_demo_resamples_and_particles_finish_quietly() -> None:
-    """The command with every default, as `bash scripts/demo.sh --quiet` runs it: SMC resamples,
-    particles end with EOS, the texts obey the default constraint (no letter e), and --quiet
-    leaves stderr empty (torch's C++ NUMA notice and vLLM's log included)."""
+@pytest.fixture(scope="module")
+def default_demo() -> subprocess.CompletedProcess[str]:
+    """One run of the command with every default, as `bash scripts/demo.sh --quiet` runs it
+    (--quiet changes stderr only), shared by the tests below."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "GENLM_VLM_VERBOSE")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "genlm_vlm", "demo", "--quiet"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_default_demo_resamples_and_particles_finish_quietly(default_demo: subprocess.CompletedProcess[str]) -> None:
+    """The default run: SMC resamples, particles end with EOS, the texts obey the default
+    constraint (no letter e), and --quiet leaves stderr empty (torch's C++ NUMA notice and vLLM's
+    log included)."""
+    proc = default_demo
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == ""
     out = proc.stdout
@@ -262,6 +269,36 @@ def test_default_demo_resamples_and_particles_finish_quietly() -> None:
     n_eos, n, n_cut = int(ended.group(1)), int(ended.group(2)), int(ended.group(3))
     assert n == 32 and n_eos >= 16 and n_eos + n_cut <= 32, out
     assert n_eos == sum(count for _, count, _, eos in particles if eos)
+
+
+def _readme_demo_excerpt() -> list[str]:
+    """The lines of the README's demo excerpt: the fenced block after the sentence that
+    introduces `bash scripts/demo.sh`'s output."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    intro = readme.index("`bash scripts/demo.sh` runs SMC")
+    start = readme.index("```\n", intro) + 4
+    return readme[start : readme.index("```", start)].splitlines()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the README's excerpt is the CPU build's run")
+def test_readme_demo_excerpt_is_what_the_demo_prints(default_demo: subprocess.CompletedProcess[str]) -> None:
+    """Every line of the README's excerpt (``...`` stands for lines left out) is a line of the
+    default run's output, in the same order. The excerpt holds no timing-dependent figure: the
+    weights, texts, resampling steps and estimates are fixed by the seed."""
+    # the README's command runs exactly this command (scripts/demo.sh adds no argument)
+    assert '-m genlm_vlm demo "$@"' in (REPO / "scripts" / "demo.sh").read_text()
+    assert default_demo.returncode == 0, default_demo.stdout + default_demo.stderr
+    excerpt = [line for line in _readme_demo_excerpt() if line.strip() != "..."]
+    assert len(excerpt) >= 6 and excerpt[0].startswith("particles (32, ")
+    assert any(_PARTICLE.match(line) for line in excerpt)
+    output = default_demo.stdout.splitlines()
+    at = 0
+    for line in excerpt:
+        assert line in output[at:], (
+            f"README.md's demo excerpt has a line the demo does not print (in this order):\n  {line}\n"
+            f"update the excerpt to the run's output:\n{default_demo.stdout}"
+        )
+        at = output.index(line, at) + 1
 
 
 def test_describe_run_counts_resamples_and_endings() -> None:
