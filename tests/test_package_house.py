@@ -148,3 +148,12 @@ def test_no_module_over_500_lines() -> None:
     assert len(sizes) > 50  # the walk found the package
     over = {name: n for name, n in sorted(sizes.items()) if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines (split them by role): {over}"
+
+
+def test_readme_is_at_most_200_lines_and_starts_with_the_demo_and_the_tests() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    n = len(readme.splitlines())
+    assert n <= 200, f"README.md has {n} lines: move detail into docs/ and link to it"
+    block = readme[readme.index("```bash\n") + 8 :]
+    commands = [line.split("#")[0].strip() for line in block[: block.index("```")].splitlines()]
+    assert commands[:2] == ["bash scripts/demo.sh", "bash scripts/test.sh"]
