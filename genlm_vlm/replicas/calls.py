@@ -266,16 +266,17 @@ class CallMixin:
         """:meth:`~genlm_vlm.AsyncLM.smc` on one replica, where the whole run is a burst on its
         engine thread (``in_engine=False``: per token over the pool). The arguments are checked
         here first; the constraint travels as its description and is compiled there."""
-        from ..checks import check_flag
+        from ..checks import check_engine_path, check_flag
         from ..smc import api
         from ..smc.algorithm import warn_if_empty
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = check_flag(kwargs.get("in_engine", True), "in_engine")
+        check_engine_path(kwargs.get("engine_path", "bursts"))
         prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
                                                     kwargs.pop("critic", None), kwargs)  # the critic runs here
         prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, build=not in_engine,
-                                         **{k: v for k, v in kwargs.items() if k != "in_engine"})
+                                         **{k: v for k, v in kwargs.items() if k not in ("in_engine", "engine_path")})
         if controller is not None:
             return await api.run(self, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=False,
                                  prompts=prompts, critic=critic)
