@@ -46,7 +46,6 @@ import torch
 from .bursts import Burst
 
 if TYPE_CHECKING:
-    from .forcing import ParticleHost
     from .jobs import Job
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,8 @@ class RequestRun(Burst):
     ``cancel``, ``fail``, ``guarded``; the same endings and fault counts), with rows that come
     from :class:`~.forcing.ParticleHost` instead of row jobs."""
 
-    def __init__(self, host: ParticleHost, job: Job) -> None:
+    def __init__(self, host: Any, job: Job) -> None:
+        """``host``: the step loop's :class:`~.forcing.ParticleHost`."""
         super().__init__(host.loop, job)
         self.host = host
         self.groups: list[Group] = []  # this step's groups (each with live members)
