@@ -92,3 +92,28 @@ def test_a_product_of_prompts_falls_back_to_a_burst_and_says_why(llama_lm):
     assert req.stats["engine_path"] == "bursts"
     assert "product of prompts" in req.stats["engine_path_fallback"]
     _same(req, burst)
+
+
+@pytest.mark.parametrize("kind", ["json", "ebnf", "lark", "mask"])
+def test_every_constraint_kind_is_byte_identical_on_the_requests_path(llama_lm, kind):
+    import numpy as np
+    from test_smc import CONSTRAINTS
+
+    from genlm_vlm.smc import TokenMask
+
+    lm = llama_lm
+    prompt = _prompt(lm)
+    if kind == "mask":
+        bits = np.zeros(lm.vocab_size, dtype=bool)
+        bits[5:200:3] = True
+        bits[lm.tokenizer.eos_token_id] = True
+
+        def make():
+            return TokenMask(lambda gens: np.repeat(bits[None, :], len(gens), axis=0), "every third token")
+    else:
+        make = CONSTRAINTS[kind]
+    args = dict(seed=11, ess_threshold=0.9, force_eos=True)
+    req = lm.smc_sync(prompt, make(), 12, 16, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, make(), 12, 16, in_engine=False, **args)
+    assert req.stats["engine_path"] == "requests"
+    _same(req, ref)
