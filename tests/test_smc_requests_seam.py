@@ -125,3 +125,32 @@ def test_four_times_max_num_seqs_particles_stay_exact(llama_tight_lm):
     assert counts["early_rows"] > 0 and counts["readded"] > 0  # the cost of lockstep, counted
     assert req.stats["engine_rounds"] == req.stats["steps"]
     _idle(lm)
+
+
+def test_a_failed_engine_step_fails_the_run_and_leaves_no_wrong_row(fresh_lm):
+    """An exception out of vLLM's step (here the forcer itself, once) fails every run on the
+    requests path with it; the prefix cache is reset and later runs equal their reference."""
+    lm = fresh_lm
+    prompt = _prompt(lm)
+    lm.smc_sync(prompt, Regex(r"[a-z ]+"), 2, 2, seed=0, engine_path="requests")  # installs the forcer
+    sink = lm._driver.sink
+    real = sink.forcer
+    state = {"n": 0}
+
+    def exploding(logits, rows, rids):
+        state["n"] += 1
+        if state["n"] == 3:
+            raise RuntimeError("injected in the sampler")
+        return real(logits, rows, rids)
+
+    sink.forcer = exploding
+    with pytest.raises(Exception, match="injected in the sampler"):
+        lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 8, seed=1, engine_path="requests")
+    sink.forcer = real
+    faults = lm.stats["faults"]
+    assert faults["failed_steps"] == 1 and faults["prefix_cache_resets"] >= 1
+    _idle(lm)
+    args = dict(seed=2, ess_threshold=0.9)
+    req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 8, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 8, in_engine=False, **args)
+    assert [(p.token_ids, p.log_weight) for p in req.particles] == [(p.token_ids, p.log_weight) for p in ref.particles]
