@@ -130,7 +130,7 @@ def _host(groups):
 def _groups():
     out = []
     for i in range(3):
-        g = Group((1, 2, i))
+        g = Group(3)
         g.rid = f"p{i}"
         out.append(g)
     return out

@@ -107,21 +107,22 @@ class ParticleHost:
         return run
 
     # ---------------------------------------------------------------- requests (between steps)
-    def add(self, run: RequestRun, group: Group, max_tokens: int) -> str:
-        """Send a forced request for ``group``'s context (a fork when ``group.fork`` is set)."""
+    def add(self, run: RequestRun, group: Group, ctx: tuple[int, ...], max_tokens: int) -> str:
+        """Send a forced request for ``group``'s context ``ctx`` (a fork when ``group.fork`` is
+        set)."""
         rid = f"p{next(self._ids)}"
         extra: dict[str, Any] = {FORCE_KEY: rid}
         if group.fork is not None:
             extra[FORK_KEY] = group.fork
         core = self.loop.core
-        tokens = list(group.ctx)  # a list of its own: the scheduler may extend it in place
+        tokens = list(ctx)  # a list of its own: the scheduler may extend it in place
         request = core.request_from_template(("forced", 0), _forced_params, rid, tokens, None, False, extra)
         request.sampling_params.max_tokens = int(max_tokens)  # a copy of the template's, this request's own
         core._submit(request)
         self.by_rid[rid] = (run, group)
         counts, tokens_in = self.loop._counts, self.loop._tokens
         counts["engine_requests"] += 1
-        tokens_in["prefill"] += len(group.ctx)
+        tokens_in["prefill"] += len(tokens)
         return rid
 
     def rebind(self, rid: str, run: RequestRun, group: Group) -> None:

@@ -56,10 +56,10 @@ Tokens = tuple[int, ...]
 class Group:
     """Particles with one context, and the request that computes its rows."""
 
-    __slots__ = ("ctx", "fork", "members", "rid", "row", "stale")
+    __slots__ = ("fork", "length", "members", "rid", "row", "stale")
 
-    def __init__(self, ctx: Tokens, fork: tuple[str, int] | None = None) -> None:
-        self.ctx = ctx  # prompt + generated tokens of every member
+    def __init__(self, length: int, fork: tuple[str, int] | None = None) -> None:
+        self.length = length  # tokens in its context (prompt + every member's generated tokens)
         self.members: list[int] = []
         self.rid: str | None = None  # its request (None: it needs one)
         self.row: torch.Tensor | None = None  # this step's row, once it arrived
@@ -84,7 +84,8 @@ class RequestRun(Burst):
         self.forced: dict[str, int] = {}  # request id -> token, decided in this apply
         self.ending: tuple[str, BaseException | None, bool] | None = None  # set inside the sampler
         self.to_abort: list[str] = []
-        self.budget: int | None = getattr(self.controller, "max_tokens", None)
+        budget = getattr(self.controller, "max_tokens", None)  # SMCController's: a request's max_tokens
+        self.budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
         self.counts = {"requests": 0, "forks": 0, "readded": 0, "fork_prefill_tokens": 0,
                        "fork_prefill_max": 0, "aborted": 0, "early_rows": 0}
         self.fork_len: dict[str, int] = {}  # fork request id -> its partial block + 1 (the most it may compute)
@@ -113,7 +114,7 @@ class RequestRun(Burst):
             ctx = ps.prefix(i)
             g = by_ctx.get(ctx)
             if g is None:
-                g = by_ctx[ctx] = Group(ctx)
+                g = by_ctx[ctx] = Group(len(ctx))
             g.members.append(i)
         self._begin_step(list(by_ctx.values()))
         self.settle()
@@ -159,8 +160,7 @@ class RequestRun(Burst):
             g.row = None
         new_live = [] if stop else ps.live()
         if not new_live:
-            self.ending = ("finish", None, False)
-            self.to_abort.extend(g.rid for g in old if g.rid is not None)
+            self.ending = ("finish", None, False)  # the run's requests are aborted as it finishes
             return
         # Regroup: a new particle i descends from old particle a (its parent, or itself) and took
         # a's token; particles with the same old group and token share a new group.
@@ -174,7 +174,7 @@ class RequestRun(Burst):
             key = (id(g), tok)
             ng = buckets.get(key)
             if ng is None:
-                ng = buckets[key] = Group(g.ctx + (tok,))
+                ng = buckets[key] = Group(g.length + 1)
                 children.setdefault(id(g), []).append(ng)
             ng.members.append(i)
         forced = self.forced
@@ -189,10 +189,10 @@ class RequestRun(Burst):
                 continue
             first = kids[0]
             first.rid = rid
-            forced[rid] = first.ctx[-1]
+            forced[rid] = gen[first.members[0]][-1]
             self.host.rebind(rid, self, first)
             for ng in kids[1:]:
-                ng.fork = (rid, len(g.ctx))
+                ng.fork = (rid, g.length)
         self._begin_step([ng for g in old for ng in children.get(id(g), ())])
 
     # ---------------------------------------------------------------- between steps
@@ -231,11 +231,11 @@ class RequestRun(Burst):
     def _add(self, g: Group) -> None:
         """A request for ``g``'s rows (a fork of ``g.fork`` when set)."""
         info = self.loop.info
-        room = info.max_model_len - len(g.ctx)
+        ctx = self.particles.prefix(g.members[0])  # every member's: they share the context
+        room = info.max_model_len - len(ctx)
         if self.budget is not None:
-            done = min(len(self.particles.generated[i]) for i in g.members)
-            room = min(room, self.budget - done + 1)
-        rid = self.host.add(self, g, max(1, room))
+            room = min(room, self.budget - (len(ctx) - len(self.particles.prompt)) + 1)
+        rid = self.host.add(self, g, ctx, max(1, room))
         g.rid = rid
         self.counts["requests"] += 1
         if g.fork is not None:
