@@ -292,13 +292,17 @@ class CallMixin:
         return result
 
     async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
-                             start: Any = None) -> Any:
-        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica; the controller
-        travels there and back by pickle (Ray's), so it must pickle before its first step."""
+                             start: Any = None, engine_path: str = "bursts") -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica (``engine_path``:
+        as on :class:`~genlm_vlm.AsyncVirtualLM`); the controller travels there and back by
+        pickle (Ray's), so it must pickle before its first step."""
+        from ..checks import check_engine_path
+
         self._check_open()  # type: ignore[attr-defined]
+        path = check_engine_path(engine_path)
         prompt = self._check_ids(prompt_ids, "prompt_ids")  # type: ignore[attr-defined]
         return await self._on_one_replica(prompt, lora_name, "run_controller", list(prompt), controller,
-                                          lora_name, start)
+                                          lora_name, start, path)
 
     # ------------------------------------------------------------------ LoRA (ServingLM hooks)
     def _check_lora_support(self) -> None:
