@@ -91,20 +91,25 @@ async def test_a_bad_smc_mask_fails_its_run_beside_a_good_smc_run(llama_lm):
 async def test_cancelling_a_run_aborts_its_requests(llama_lm):
     lm = llama_lm
     prompt = _prompt(lm)
-    stepped = threading.Event()
+    stepped, go = threading.Event(), threading.Event()
+    seen = {}
 
     class Forever(Argmax):
         def step(self, rows, particles):
-            if self.seen == 2:
+            if self.seen == 2:  # inside the sampler: its particles are running requests now
+                seen["requests"] = lm._driver._loop._particles.stats()["requests"]
                 stepped.set()
+                go.wait(TIMEOUT)  # until the cancellation is posted: it is read after this step
             return super().step(rows, particles)
 
+    cancelled = lm.stats["bursts"]["cancelled"]
     fut = lm._submit_burst(prompt, Forever(4, 10**6), None, None, None, "requests")
     await asyncio.get_running_loop().run_in_executor(None, stepped.wait, TIMEOUT)
-    assert lm.stats["particle_requests"]["requests"] >= 1  # its particles are running requests
     assert fut.cancel()
+    go.set()
+    assert seen["requests"] >= 1
     _idle(lm)  # the cancellation reached the engine thread before this stats call: requests aborted
-    assert lm.stats["bursts"]["running"] == 0
+    assert lm.stats["bursts"]["running"] == 0 and lm.stats["bursts"]["cancelled"] == cancelled + 1
     later = await asyncio.wait_for(lm.run_controller(prompt, Argmax(3, 4), engine_path="requests"), TIMEOUT)
     assert later == await drive(lm, prompt, Argmax(3, 4))
 
