@@ -159,3 +159,21 @@ def test_a_failed_engine_step_fails_the_run_and_leaves_no_wrong_row(fresh_lm):
     req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 8, engine_path="requests", **args)
     ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 8, in_engine=False, **args)
     assert [(p.token_ids, p.log_weight) for p in req.particles] == [(p.token_ids, p.log_weight) for p in ref.particles]
+
+
+async def test_a_request_vllm_finishes_on_its_own_is_added_again(llama_lm):
+    """A controller whose ``max_tokens`` understates its run: its requests reach their
+    ``max_tokens`` and vLLM finishes them while the particles still need rows; the run adds
+    them again (prefix cache) and stays equal to its reference."""
+    lm = llama_lm
+    prompt = _prompt(lm)
+
+    class Short(Argmax):
+        max_tokens = 2
+
+    ended = lm.stats["particle_requests"]["finished_by_vllm"]
+    got = await asyncio.wait_for(lm.run_controller(prompt, Short(3, 6), engine_path="requests"), TIMEOUT)
+    assert lm.stats["particle_requests"]["finished_by_vllm"] > ended
+    assert got == await drive(lm, prompt, Argmax(3, 6))
+    assert all(len(g) == 6 for g in got)
+    _idle(lm)

@@ -52,7 +52,7 @@ class ParticleHost:
         self._chunks: Any = None  # the scheduler's partial prefills of the step (forks.prefill_chunk_reader)
         self._ready: tuple[bool, str] | None = None  # whether this engine can force, decided on first use
         self.fallbacks: Counter[str] = Counter()
-        self.counts = {"runs": 0, "forced_rows": 0, "early_rows": 0}
+        self.counts = {"runs": 0, "forced_rows": 0, "early_rows": 0, "finished_by_vllm": 0}
 
     # ---------------------------------------------------------------- choosing the path
     def _engine_refusal(self) -> str | None:
@@ -208,6 +208,7 @@ class ParticleHost:
                 prompt = int(getattr(stats, "num_prompt_tokens", 0) or 0)
                 run.on_prefill(rid, prompt - int(getattr(stats, "num_cached_tokens", 0) or 0))
             if out.finish_reason is not None:
+                self.counts["finished_by_vllm"] += 1
                 del by_rid[rid]
                 run.request_gone(rid)
         for run in list(self.runs):
