@@ -264,6 +264,7 @@ class AsyncLM(ContinuationScoring, ABC):
         in_engine: bool = True,
         prompts: Sequence[TokenIds] | None = None,
         critic: Callable[[list[bytes]], Any] | None = None,
+        engine_path: str = "bursts",
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
 
@@ -282,11 +283,13 @@ class AsyncLM(ContinuationScoring, ABC):
         ``log_marginal`` estimates log P(a sample ends with EOS within ``max_tokens``, its text
         accepted); cut particles count zero (``log_marginal_cut``); none finished: ``-inf``,
         ``empty_reason`` and an :class:`~genlm_vlm.smc.EmptyPosteriorWarning` say why.
+        ``engine_path="requests"`` (experimental; default ``"bursts"``): particles as running vLLM
+        requests on an :class:`~genlm_vlm.AsyncVirtualLM` (docs/API.md); elsewhere a no-op.
         """
         from .smc import api
 
         return await api.smc(self, prompt_ids, constraint, n_particles, max_tokens, prompts=prompts, critic=critic,
-                             in_engine=in_engine, ess_threshold=ess_threshold, resampling=resampling,
+                             in_engine=in_engine, engine_path=engine_path, ess_threshold=ess_threshold, resampling=resampling,
                              temperature=temperature, seed=seed, lora_name=lora_name, eos_token_ids=eos_token_ids,
                              force_eos=force_eos, target_temperature=target_temperature)
 
@@ -302,12 +305,14 @@ class AsyncLM(ContinuationScoring, ABC):
 
     async def run_controller(self, prompt_ids: TokenIds | None, controller: Controller, *,
                              lora_name: str | None = None, start: Sequence[Sequence[int]] | None = None,
-                             prompts: Sequence[TokenIds] | None = None) -> Any:
+                             prompts: Sequence[TokenIds] | None = None, engine_path: str = "bursts") -> Any:
         """Run a :class:`~genlm_vlm.smc.Controller` over particles that start at ``prompt_ids``
         (plus ``start[i]`` for particle ``i``) and return ``controller.result(...)``. Here: per
         token in Python (:func:`genlm_vlm.smc.drive`); :class:`~genlm_vlm.AsyncVirtualLM` runs
         it on the engine thread. ``prompts=``: a product of prompts (:mod:`genlm_vlm.smc.product`)."""
+        from .checks import check_engine_path
         from .smc import api, drive
 
+        check_engine_path(engine_path)
         prompt, prompts = api.resolve_prompts(self, prompt_ids, prompts)
         return await drive(self, prompt, controller, lora_name=lora_name, start=start, prompts=prompts)

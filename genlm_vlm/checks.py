@@ -188,6 +188,21 @@ def check_flag(value: Any, what: str) -> bool:
     return value
 
 
+ENGINE_PATHS = ("bursts", "requests")
+"""The values of ``lm.smc(..., engine_path=...)``."""
+
+
+def check_engine_path(value: Any) -> str:
+    """``"bursts"`` (the default) or ``"requests"`` (particles as running requests, experimental):
+    a ``TypeError`` for another type, a ``ValueError`` for another string."""
+    if not isinstance(value, str):
+        raise TypeError(f"engine_path must be 'bursts' or 'requests' (a str), got {_shown(value)}")
+    if value not in ENGINE_PATHS:
+        raise ValueError(f"engine_path must be 'bursts' (the default) or 'requests' (particles as running "
+                         f"requests, experimental), got {value!r}")
+    return value
+
+
 def check_name(value: Any, what: str) -> str | None:
     """None or a ``str`` (an adapter's or a method's name): anything else is a ``TypeError``."""
     if value is not None and not isinstance(value, str):

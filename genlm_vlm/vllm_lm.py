@@ -24,7 +24,7 @@ import torch
 from .base import ClosedError, SampleArgs, TokenIds
 from .batching import AutoBatcher
 from .cache import OutputCache
-from .checks import check_flag
+from .checks import check_engine_path, check_flag
 from .continuation import _topk
 from .engine import EngineDriver, SampleSpec, Ticket, make_lora_request, wait_all
 from .engine.scoring import ScoreResult, ScoreSpec
@@ -357,22 +357,28 @@ class AsyncVirtualLM(SyncRows, ServingLM):
     # ------------------------------------------------------------------ housekeeping
     # ------------------------------------------------------------------ controllers (genlm_vlm.smc)
     def _submit_burst(self, prompt_ids: Any, controller: Any, lora_name: str | None, start: Any,
-                      prompts: Any = None) -> cf.Future:
+                      prompts: Any = None, engine_path: Any = "bursts") -> cf.Future:
         from .smc.product import resolve_prompts
 
         self._check_open()
+        path = check_engine_path(engine_path)
         prompt, prompts = resolve_prompts(self, prompt_ids, prompts)
         lora = self._lora_of(self._loras.resolve(lora_name))
-        return self._driver.submit_burst(prompt, controller, lora, start, prompts)
+        return self._driver.submit_burst(prompt, controller, lora, start, prompts, path)
 
     async def run_controller(self, prompt_ids: TokenIds | None, controller: Any, *, lora_name: str | None = None,
-                             start: Any = None, prompts: Any = None) -> Any:
+                             start: Any = None, prompts: Any = None, engine_path: str = "bursts") -> Any:
         """Run a :class:`~genlm_vlm.smc.Controller` as a *burst* on the engine thread: each
         engine step hands it the rows of its live particles and continues them with the tokens
         it chose, with no trip through the event loop per token (see :mod:`genlm_vlm.smc`).
         Cancelling the await abandons the run's requests at the next engine step. ``prompts``:
-        a product of prompts, as in :meth:`~genlm_vlm.AsyncLM.run_controller`."""
-        result = await asyncio.wrap_future(self._submit_burst(prompt_ids, controller, lora_name, start, prompts))
+        a product of prompts, as in :meth:`~genlm_vlm.AsyncLM.run_controller`.
+        ``engine_path="requests"`` (experimental): the particles decode as running requests
+        whose tokens are forced inside vLLM's sampler (:mod:`genlm_vlm.engine.particles`); a run
+        that path does not cover yet runs as a burst, and ``stats["engine_path_fallback"]`` of an
+        SMC result (``lm.stats["particle_requests"]["fallbacks"]`` for any controller) says why."""
+        result = await asyncio.wrap_future(self._submit_burst(prompt_ids, controller, lora_name, start, prompts,
+                                                              engine_path))
         if isinstance(getattr(result, "stats", None), dict):
             result.stats["where"] = "engine"
         return result
@@ -387,6 +393,7 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         from .smc.algorithm import warn_if_empty
 
         in_engine = check_flag(kwargs.pop("in_engine", True), "in_engine")
+        engine_path = check_engine_path(kwargs.pop("engine_path", "bursts"))
         if not in_engine:
             return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
         lora_name = kwargs.get("lora_name")
@@ -394,7 +401,8 @@ class AsyncVirtualLM(SyncRows, ServingLM):
                                                     kwargs.pop("critic", None), kwargs)
         prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, **kwargs)
         t0 = time.perf_counter()
-        [result] = wait_all([self._submit_burst(None if prompts else prompt, controller, lora_name, None, prompts)])
+        [result] = wait_all([self._submit_burst(None if prompts else prompt, controller, lora_name, None, prompts,
+                                                engine_path)])
         if critic is not None:
             api.criticise_sync(result, critic)
         result.stats.update(where="engine", wall_s=round(time.perf_counter() - t0, 6))

@@ -64,6 +64,10 @@ class BurstSpec:
     start: Any = None
     runner: Burst | None = None
     prompts: Any = None
+    path: str = "bursts"
+    """``"bursts"`` or ``"requests"`` (particles as running requests, :mod:`.particles`)."""
+    fallback: str | None = None
+    """Why a run that asked for the requests path runs as a burst (set on the engine thread)."""
 
 
 def burst_error(exc: BaseException, doing: str) -> BaseException:
@@ -234,14 +238,24 @@ class Burst:
         self._release(self.sessions)  # the last round's idle sessions (nobody else joined them)
         self.sessions = set()
         if isinstance(getattr(value, "stats", None), dict):
-            spent = {k: v - self.time_at_start.get(k, 0.0) for k, v in self.loop._time.items()}
-            per = 1e3 / max(1, self.rounds)
-            value.stats.update(engine_rounds=self.rounds, burst_host_s=round(self.seconds, 6),
-                               sessions_released=self.dropped,
-                               engine_time={f"{k}_s": round(v, 6) for k, v in spent.items()},
-                               round_ms={k: round(v * per, 4) for k, v in spent.items() if k != "idle"})
+            self._stats(value)
         self.loop.burst_ended(self, "finished")
         self._resolve(value, None)
+
+    def _stats(self, value: Any) -> None:
+        """Add the run's engine-side figures to ``value.stats``: rounds, host time, time by part,
+        and which path and model runner ran it (with the reason when the run asked for the
+        requests path and fell back to a burst)."""
+        spent = {k: v - self.time_at_start.get(k, 0.0) for k, v in self.loop._time.items()}
+        per = 1e3 / max(1, self.rounds)
+        value.stats.update(engine_rounds=self.rounds, burst_host_s=round(self.seconds, 6),
+                           sessions_released=self.dropped,
+                           engine_time={f"{k}_s": round(v, 6) for k, v in spent.items()},
+                           round_ms={k: round(v * per, 4) for k, v in spent.items() if k != "idle"},
+                           engine_path="bursts", runner=self.loop.info.runner)
+        why = getattr(self.job.spec, "fallback", None)
+        if why is not None:
+            value.stats["engine_path_fallback"] = why
 
     def fail(self, exc: BaseException) -> None:
         """End the run with ``exc`` (at shutdown)."""
@@ -316,12 +330,15 @@ class BurstHost:
     _inbox: deque[Message]
     _outbox: Outbox
     _table: Any
+    _particles: Any  # a forcing.ParticleHost
 
     def _start_burst(self, job: Job) -> None:
         """Set up and start a run (a :class:`Burst`): whatever raises fails that run alone."""
         self._burst_counts["started"] += 1
         try:
-            burst = Burst(self, job)  # type: ignore[arg-type]  # the StepLoop this is mixed into
+            burst = self._particles.runner_for(job)  # a RequestRun, or None: a burst
+            if burst is None:
+                burst = Burst(self, job)  # type: ignore[arg-type]  # the StepLoop this is mixed into
         except Exception as e:  # noqa: BLE001 - a bug of ours: this run only
             self.count_fault("burst_errors")
             self._burst_counts["failed"] += 1

@@ -28,6 +28,7 @@ class FaultRecovery:
     _by_rid: dict[str, Job]
     _table: Any
     _outbox: Outbox
+    _particles: Any
     core: Any
 
     def _end_job(self, job: Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:
@@ -47,6 +48,7 @@ class FaultRecovery:
         Should vLLM refuse, it is tried again before new work is admitted
         (:meth:`_restore_prefix_cache`).
         """
+        self._particles.fail_all(exc)  # runs whose particles are running requests: their requests go too
         faults = self._faults
         jobs = list(self._by_rid.values())
         logger.warning("engine step failed: %r; failing the %d request(s) in the engine, releasing the idle "

@@ -20,7 +20,9 @@ other case the ordinary hit is returned unchanged (the fork re-prefills its tail
 exact) and the reason is counted.
 
 The scheduler also counts every token it schedules (``SchedulerOutput.total_num_scheduled_tokens``)
-so the step loop can report the work done without vLLM's log statistics.
+so the step loop can report the work done without vLLM's log statistics, and, while particles
+run as requests (:mod:`.forcing`), which scheduled requests are partial prefills
+(:func:`prefill_chunk_reader`).
 
 This module is part of the engine package: the only one that reads vLLM internals. Names it
 relies on (checked when the scheduler is built; a missing one turns forks off with a reason):
@@ -28,7 +30,7 @@ relies on (checked when the scheduler is built; a missing one turns forks off wi
 argument, passed through), ``Scheduler.requests``, ``Scheduler.connector``,
 ``KVCacheManager.get_blocks`` / ``create_kv_cache_blocks`` / ``enable_caching``,
 ``SingleTypeKVCacheManager._has_partial_local_hit`` (the copy-on-write being there),
-``Request.all_token_ids`` / ``num_computed_tokens`` / ``lora_request`` / ``cache_salt`` /
+``Request.all_token_ids`` / ``num_computed_tokens`` / ``num_tokens`` / ``lora_request`` / ``cache_salt`` /
 ``skip_reading_prefix_cache``.
 
 Threading: the scheduler runs on the engine thread (in-process engine core); its counters are
@@ -103,10 +105,19 @@ class _ForkMixin:
             self.fork_support = (False, f"cannot inspect the scheduler ({e!r})")
         self.fork_counts = {"copied": 0, "aligned": 0, "saved_tokens": 0, "scheduled_tokens": 0}
         self.fork_fallbacks = Counter()
+        self.track_chunks = False
+        self.prefill_chunks: set[str] = set()
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.fork_counts["scheduled_tokens"] += int(getattr(out, "total_num_scheduled_tokens", 0) or 0)
+        if self.track_chunks:
+            # After schedule() each scheduled request's num_computed_tokens counts this step's
+            # tokens: one still short of its tokens is a partial prefill, whose sampled token
+            # vLLM discards (its row is not the request's next-token row).
+            reqs = self.requests  # type: ignore[attr-defined]
+            self.prefill_chunks = {rid for rid in out.num_scheduled_tokens
+                                   if (r := reqs.get(rid)) is not None and r.num_computed_tokens < r.num_tokens}
         return out
 
     def _get_local_prefix_cache_hit(self, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -205,6 +216,19 @@ class ForkScheduler:
 
             base = AsyncScheduler
         return _fork_class(base)(vllm_config, *args, **kwargs)
+
+
+def prefill_chunk_reader(scheduler: Any) -> Any:
+    """A callable returning the ids of the requests that the last scheduled step computes only
+    part of (partial prefills: their sampled token is discarded), or None when ``scheduler`` is
+    not a :class:`ForkScheduler` or schedules asynchronously (the step being sampled is then
+    not the last one scheduled). Turns the tracking on (engine thread)."""
+    if not isinstance(scheduler, _ForkMixin):
+        return None
+    if any(c.__name__ == "AsyncScheduler" for c in type(scheduler).__mro__):
+        return None
+    scheduler.track_chunks = True
+    return lambda: scheduler.prefill_chunks
 
 
 def scheduler_hooks_present() -> tuple[bool, str]:

@@ -25,6 +25,7 @@ from .bursts import Burst, BurstHost
 from .core import EngineCore, StepResult
 from .eviction import SessionEviction
 from .faults import FaultRecovery
+from .forcing import ParticleHost
 from .forks import count_fork
 from .jobs import (
     Call,
@@ -37,6 +38,7 @@ from .jobs import (
     fail_messages,
     on_engine_device,
 )
+from .loop_stats import LoopStats
 from .sampler import draw_token, seeded_generator
 from .scoring import SCORING_KINDS, ScoringQueue
 from .sessions import SessionTable
@@ -52,7 +54,7 @@ DEFAULT_KV_EVICT_THRESHOLD = 0.9
 MIN_PART = 8
 
 
-class StepLoop(SessionEviction, BurstHost, FaultRecovery):
+class StepLoop(SessionEviction, BurstHost, FaultRecovery, LoopStats):
     """The engine thread's state and loop (engine thread only).
 
     Args:
@@ -122,6 +124,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
         self._scoring = ScoringQueue(self)  # score jobs: their own queue and requests (.scoring)
         self._bursts: dict[int, Burst] = {}  # controller runs in progress, by id(job) (.bursts)
         self._burst_counts = dict.fromkeys(("started", "finished", "failed", "cancelled", "sessions_released"), 0)
+        self._particles = ParticleHost(self)  # runs whose particles are running requests (.forcing)
         # Failed engine steps and what was dropped after them (see _after_failed_step); runs
         # failed by their controller or by our own burst code (.bursts); blocking calls refused
         # on this thread (EngineDriver.refuse_engine_thread).
@@ -145,7 +148,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
             ta = clock()
             self._admit()
             self._scoring.admit()
-            if self._by_rid:
+            if self._by_rid or self._particles.runs:
                 # Before the step too: vLLM counts parked sessions toward max_num_seqs and never
                 # preempts them, so after a resample the unchosen parents would keep forks waiting.
                 self._enforce_caps()
@@ -305,6 +308,8 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
         else:
             self._stalls = 0
         self._route(result, core)
+        if self._particles.runs:
+            self._particles.after_step(result.outputs)
         self._outbox.flush()
         routed = clock() - t1
         self._time["route"] += routed
@@ -408,39 +413,6 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery):
         del self._by_rid[job.rid]  # type: ignore[arg-type]
         # A session job sends the token as a chunk; a plain one, a new request per token.
         self._start_rows(job, job.ids + tuple(job.out))
-
-    def _read_stats(self, result: StepResult) -> None:
-        if result.scheduled_tokens is not None:
-            self._tokens["scheduled"] += result.scheduled_tokens
-        self._prefix_cache["queries"] += result.prefix_queries
-        self._prefix_cache["hits"] += result.prefix_hits
-
-    def stats(self) -> dict[str, Any]:
-        c = self._counts
-        tokens = dict(self._tokens, scheduled=self._tokens["scheduled"] if self._reports_tokens else None)
-        work = self.core.work() if hasattr(self.core, "work") else None
-        forks: dict[str, Any] = {"enabled": self._forks_ok, "why": self._forks_why, **self._forks}
-        if work is not None:
-            tokens["scheduled"] = work["scheduled_tokens"]
-            forks["fallback_reasons"] = work["fallback_reasons"]
-        return {
-            "mode": None if self.info is None else self.info.mode,
-            "engine_calls": c["engine_calls"],
-            "engine_steps": c["engine_steps"],
-            "engine_requests": c["engine_requests"],
-            "rows": c["rows"],
-            "sessions": self._table.snapshot(),
-            "forks": forks,
-            "batch_invariant": None if self.info is None else dict(zip(("enabled", "why"), self.info.batch_invariant,
-                                                                       strict=True)),
-            "tokens": tokens,
-            "prefix_cache": dict(self._prefix_cache) if self.log_stats else None,
-            "engine_time": {f"{k}_s": round(v, 6) for k, v in self._time.items()},
-            "capture_apply_calls": getattr(self.core.sink, "apply_calls", 0),
-            "scoring": self._scoring.stats(),
-            "bursts": dict(self._burst_counts, running=len(self._bursts)),
-            "faults": dict(self._faults, prefix_cache_suspect=self._cache_suspect),
-        }
 
     # ---------------------------------------------------------------- job endings
     def _end_job(self, job: Job, value: Any = None, exc: BaseException | None = None, abort: bool = False) -> None:

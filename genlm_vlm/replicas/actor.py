@@ -146,8 +146,10 @@ class ReplicaWorker:
         result.stats["replica"] = self.index
         return result
 
-    async def run_controller(self, prompt: list[int], controller: Any, lora_name: str | None, start: Any) -> Any:
-        return await self.lm.run_controller(prompt, controller, lora_name=lora_name, start=start)
+    async def run_controller(self, prompt: list[int], controller: Any, lora_name: str | None, start: Any,
+                             engine_path: str = "bursts") -> Any:
+        return await self.lm.run_controller(prompt, controller, lora_name=lora_name, start=start,
+                                            engine_path=engine_path)
 
     # ------------------------------------------------------------------ housekeeping
     async def add_lora(self, path: str, name: str) -> None:

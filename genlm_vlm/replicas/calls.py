@@ -266,16 +266,17 @@ class CallMixin:
         """:meth:`~genlm_vlm.AsyncLM.smc` on one replica, where the whole run is a burst on its
         engine thread (``in_engine=False``: per token over the pool). The arguments are checked
         here first; the constraint travels as its description and is compiled there."""
-        from ..checks import check_flag
+        from ..checks import check_engine_path, check_flag
         from ..smc import api
         from ..smc.algorithm import warn_if_empty
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = check_flag(kwargs.get("in_engine", True), "in_engine")
+        check_engine_path(kwargs.get("engine_path", "bursts"))
         prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
                                                     kwargs.pop("critic", None), kwargs)  # the critic runs here
         prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, build=not in_engine,
-                                         **{k: v for k, v in kwargs.items() if k != "in_engine"})
+                                         **{k: v for k, v in kwargs.items() if k not in ("in_engine", "engine_path")})
         if controller is not None:
             return await api.run(self, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=False,
                                  prompts=prompts, critic=critic)
@@ -291,13 +292,17 @@ class CallMixin:
         return result
 
     async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
-                             start: Any = None) -> Any:
-        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica; the controller
-        travels there and back by pickle (Ray's), so it must pickle before its first step."""
+                             start: Any = None, engine_path: str = "bursts") -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica (``engine_path``:
+        as on :class:`~genlm_vlm.AsyncVirtualLM`); the controller travels there and back by
+        pickle (Ray's), so it must pickle before its first step."""
+        from ..checks import check_engine_path
+
         self._check_open()  # type: ignore[attr-defined]
+        path = check_engine_path(engine_path)
         prompt = self._check_ids(prompt_ids, "prompt_ids")  # type: ignore[attr-defined]
         return await self._on_one_replica(prompt, lora_name, "run_controller", list(prompt), controller,
-                                          lora_name, start)
+                                          lora_name, start, path)
 
     # ------------------------------------------------------------------ LoRA (ServingLM hooks)
     def _check_lora_support(self) -> None:

@@ -14,7 +14,15 @@ import numbers
 import time
 from typing import Any
 
-from ..checks import as_token_ids, check_count, check_flag, check_name, check_real, check_seed
+from ..checks import (
+    as_token_ids,
+    check_count,
+    check_engine_path,
+    check_flag,
+    check_name,
+    check_real,
+    check_seed,
+)
 from .algorithm import RESAMPLING, SMCController, SMCResult, warn_if_empty
 from .constraints import Constraint, as_constraint
 from .controller import drive
@@ -126,18 +134,21 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
 
 async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lora_name: str | None,
               in_engine: bool, prompts: tuple[tuple[int, ...], ...] | None = None,
-              critic: Any = None) -> SMCResult:
+              critic: Any = None, engine_path: str = "bursts") -> SMCResult:
     """Run ``controller`` on ``lm`` (see the module docstring) and time it; ``prompts``
     (checked by :func:`check_prompts`): a product of prompts; ``critic`` (checked by
     :func:`check_critic`): applied once at the end, here, in the caller's coroutine
     (:func:`~.product.criticise`). A result whose posterior is empty gives its
-    :class:`~.algorithm.EmptyPosteriorWarning` here (``empty_reason``), after the critic."""
+    :class:`~.algorithm.EmptyPosteriorWarning` here (``empty_reason``), after the critic.
+    ``engine_path`` (checked): ``"requests"`` asks an engine that runs controllers for particles
+    as running requests (other models run the reference, which the option does not change)."""
     t0 = time.perf_counter()
     if in_engine:
+        path = {} if engine_path == "bursts" else {"engine_path": engine_path}
         if prompts is None:
-            result = await lm.run_controller(prompt, controller, lora_name=lora_name)
+            result = await lm.run_controller(prompt, controller, lora_name=lora_name, **path)
         else:
-            result = await lm.run_controller(None, controller, lora_name=lora_name, prompts=prompts)
+            result = await lm.run_controller(None, controller, lora_name=lora_name, prompts=prompts, **path)
     else:
         result = await drive(lm, prompt, controller, lora_name=lora_name, prompts=prompts)
     if critic is not None:
@@ -149,11 +160,12 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
 
 
 async def smc(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *, in_engine: bool = True,
-              prompts: Any = None, critic: Any = None, **kwargs: Any) -> SMCResult:
-    """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``in_engine``, ``prompts``,
-    ``critic``, then :func:`prepare`'s), then :func:`run`."""
+              prompts: Any = None, critic: Any = None, engine_path: Any = "bursts", **kwargs: Any) -> SMCResult:
+    """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``in_engine``, ``engine_path``,
+    ``prompts``, ``critic``, then :func:`prepare`'s), then :func:`run`."""
     check_flag(in_engine, "in_engine")
+    engine_path = check_engine_path(engine_path)
     prompt, prompts, critic = check_options(lm, prompt_ids, max_tokens, prompts, critic, kwargs)
     prompt, controller = prepare(lm, prompt, constraint, n_particles, max_tokens, **kwargs)
     return await run(lm, prompt, controller, lora_name=kwargs.get("lora_name"), in_engine=in_engine,
-                     prompts=prompts, critic=critic)
+                     prompts=prompts, critic=critic, engine_path=engine_path)

@@ -1,0 +1,224 @@
+"""The step loop's side of particles as running requests (:mod:`.particles`), runner-agnostic.
+
+:class:`ParticleHost` keeps ``request id -> (run, group)`` for every forced request, decides
+whether a run may take the requests path (:meth:`ParticleHost.runner_for`; if not, the run is a
+burst and ``stats["engine_path_fallback"]`` names the reason), adds and aborts the runs'
+requests between steps, and is the capture sink's ``forcer``
+(:attr:`~genlm_vlm.capture.CaptureSink.forcer`): inside vLLM's sampler, each model runner's
+capture processor (V1: rows tracked from ``BatchUpdate``; Model Runner V2: slots from
+``add_request`` and ``ctx.idx_mapping_np``) maps its rows to the request ids carried in
+``SamplingParams.extra_args[FORCE_KEY]`` and calls :meth:`ParticleHost.force` with
+``(logits, rows, ids)``. Nothing here knows which runner called it.
+
+Engine thread only: the sampler runs on it too (in-process engine core, synchronous scheduling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..capture import FORCE_KEY, logprob_rows
+from .bursts import burst_error
+from .forks import FORK_KEY, prefill_chunk_reader
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .particles import Group, RequestRun
+
+logger = logging.getLogger(__name__)
+
+
+def _forced_params() -> Any:
+    from vllm import SamplingParams
+
+    # Greedy: the forcer leaves one finite entry in a forced row, and vLLM's argmax takes it
+    # (custom processors that are not argmax-invariant run even when every request is greedy).
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+
+
+class ParticleHost:
+    """Forced requests of the runs on the requests path (see the module docstring)."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.by_rid: dict[str, tuple[RequestRun, Group]] = {}
+        self.runs: set[RequestRun] = set()
+        self._ids = itertools.count()
+        self._chunks: Any = None  # the scheduler's partial prefills of the step (forks.prefill_chunk_reader)
+        self._ready: tuple[bool, str] | None = None  # whether this engine can force, decided on first use
+        self.fallbacks: Counter[str] = Counter()
+        self.counts = {"runs": 0, "forced_rows": 0, "early_rows": 0, "finished_by_vllm": 0}
+
+    # ---------------------------------------------------------------- choosing the path
+    def _engine_refusal(self) -> str | None:
+        """Why this engine cannot run particles as requests (None: it can). Checked once."""
+        if self._ready is None:
+            core = self.loop.core
+            sink = getattr(core, "sink", None)
+            scheduler = getattr(core, "_scheduler", None)
+            if sink is None or not hasattr(sink, "forcer") or not hasattr(core, "request_from_template"):
+                self._ready = (False, f"this engine core ({type(core).__name__}) has no forcing logits processor")
+            elif getattr(sink, "remote", None) is not None:
+                self._ready = (False, "tensor parallelism: the logits processors run in worker processes")
+            elif (reader := prefill_chunk_reader(scheduler)) is None:
+                self._ready = (False, f"the engine's scheduler ({type(scheduler).__name__}) is not genlm_vlm's "
+                                      "synchronous fork scheduler (asynchronous scheduling, or engine_opts "
+                                      "sets scheduler_cls)")
+            else:
+                self._chunks = reader
+                sink.forcer = self.force
+                self._ready = (True, "ok")
+        ok, why = self._ready
+        return None if ok else why
+
+    def refusal(self, job: Job) -> str | None:
+        """Why ``job`` (a burst job that asked for the requests path) runs as a burst, or None."""
+        why = self._engine_refusal()
+        if why is not None:
+            return why
+        spec = job.spec
+        if getattr(spec, "prompts", None) is not None:
+            return "a product of prompts (prompts=) is not on the requests path yet"
+        if job.lora is not None:
+            return "LoRA adapters are not on the requests path yet"
+        return None
+
+    def runner_for(self, job: Job) -> RequestRun | None:
+        """A :class:`~.particles.RequestRun` for ``job`` when it asked for the requests path and
+        can take it; else None (it runs as a burst; the reason is kept in ``job.spec.fallback``)."""
+        spec = job.spec
+        if getattr(spec, "path", "bursts") != "requests":
+            return None
+        why = self.refusal(job)
+        if why is not None:
+            spec.fallback = why
+            self.fallbacks[why] += 1
+            return None
+        from .particles import RequestRun
+
+        run = RequestRun(self, job)
+        self.runs.add(run)
+        self.counts["runs"] += 1
+        return run
+
+    # ---------------------------------------------------------------- requests (between steps)
+    def add(self, run: RequestRun, group: Group, ctx: tuple[int, ...], max_tokens: int) -> str:
+        """Send a forced request for ``group``'s context ``ctx`` (a fork when ``group.fork`` is
+        set)."""
+        rid = f"p{next(self._ids)}"
+        extra: dict[str, Any] = {FORCE_KEY: rid}
+        if group.fork is not None:
+            extra[FORK_KEY] = group.fork
+        core = self.loop.core
+        tokens = list(ctx)  # a list of its own: the scheduler may extend it in place
+        request = core.request_from_template(("forced", 0), _forced_params, rid, tokens, None, False, extra)
+        request.sampling_params.max_tokens = int(max_tokens)  # a copy of the template's, this request's own
+        core._submit(request)
+        self.by_rid[rid] = (run, group)
+        counts, tokens_in = self.loop._counts, self.loop._tokens
+        counts["engine_requests"] += 1
+        tokens_in["prefill"] += len(tokens)
+        return rid
+
+    def rebind(self, rid: str, run: RequestRun, group: Group) -> None:
+        """``rid`` now computes ``group``'s rows (the group that continues it)."""
+        self.by_rid[rid] = (run, group)
+
+    def abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.by_rid.pop(rid, None)
+        self.loop._abort(rids)
+
+    def forget(self, run: RequestRun) -> None:
+        """``run`` ended: forget it (its requests are aborted by the run)."""
+        self.runs.discard(run)
+        for rid in [rid for rid, (r, _) in self.by_rid.items() if r is run]:
+            del self.by_rid[rid]
+
+    # ---------------------------------------------------------------- inside the sampler
+    def force(self, logits: torch.Tensor, rows: list[int], rids: list[str]) -> torch.Tensor:
+        """The forced requests' rows of one sampler call (``rows[i]`` is request ``rids[i]``'s):
+        hand each run its groups' rows, let every run that now has all of them decide, and
+        rewrite the rows of the requests that continue to ``-inf`` but for their token. Rows of
+        partial prefills, of ended runs and of requests being aborted are left as they are."""
+        chunks = self._chunks() if self._chunks is not None else ()
+        by_rid = self.by_rid
+        touched: dict[RequestRun, list[tuple[int, Group]]] = {}
+        for r, rid in zip(rows, rids, strict=True):
+            entry = by_rid.get(rid)
+            if entry is None or rid in chunks:
+                continue
+            run, g = entry
+            if run.done or run.ending is not None or g.row is not None or g.stale or g.rid != rid:
+                continue
+            touched.setdefault(run, []).append((r, g))
+        if not touched:
+            return logits
+        index: list[int] = []
+        tokens: list[int] = []
+        for run, items in touched.items():
+            where = {g.rid: r for r, g in items}
+            try:
+                complete = False
+                for (_, g), row in zip(items, logprob_rows(logits, [r for r, _ in items]), strict=True):
+                    complete = run.take(g, row)
+                self.counts["forced_rows"] += len(items)
+                if complete:
+                    run.decide()
+                else:  # vLLM left some of the run's groups out of this step: see .particles
+                    for _, g in items:
+                        g.stale = True
+                    run.counts["early_rows"] += len(items)
+                    self.counts["early_rows"] += len(items)
+                for rid, tok in run.forced.items():
+                    r = where.get(rid)
+                    if r is not None:
+                        index.append(r)
+                        tokens.append(tok)
+            except Exception as e:  # noqa: BLE001 - a bug of ours while handling one run: that run only
+                logger.error("a controller run failed inside the sampler", exc_info=e)
+                self.loop.count_fault("burst_errors")
+                run.ending = ("fail", burst_error(e, "stepping"), False)
+            finally:
+                run.forced = {}
+        if index:
+            at = torch.as_tensor(index, device=logits.device, dtype=torch.long)
+            logits[at] = float("-inf")
+            logits[at, torch.as_tensor(tokens, device=logits.device, dtype=torch.long)] = 0.0
+        return logits
+
+    # ---------------------------------------------------------------- after a step
+    def after_step(self, outputs: list[Any]) -> None:
+        """Read the step's outputs of forced requests (a fork's prefill, a request vLLM
+        finished on its own), then let every run settle (aborts, new requests, endings)."""
+        by_rid = self.by_rid
+        for out in outputs:
+            rid = out.request_id
+            entry = by_rid.get(rid)
+            if entry is None:
+                continue
+            run = entry[0]
+            stats = getattr(out, "prefill_stats", None)
+            if stats is not None and rid in run.fork_len:
+                prompt = int(getattr(stats, "num_prompt_tokens", 0) or 0)
+                run.on_prefill(rid, prompt - int(getattr(stats, "num_cached_tokens", 0) or 0))
+            if out.finish_reason is not None:
+                self.counts["finished_by_vllm"] += 1
+                del by_rid[rid]
+                run.request_gone(rid)
+        for run in list(self.runs):
+            run.settle()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """An engine step failed: every run on this path fails with ``exc`` (requests aborted)."""
+        for run in list(self.runs):
+            run.fail(exc)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counts, running=len(self.runs), requests=len(self.by_rid),
+                    fallbacks=dict(self.fallbacks))

@@ -1,0 +1,184 @@
+"""The forcing seam driven directly (no engine): both model runners' capture processors map rows
+of forced requests (``extra_args[FORCE_KEY]``) to request ids and hand them to the sink's forcer,
+which is runner-agnostic (:class:`genlm_vlm.engine.forcing.ParticleHost`). Model Runner V2's
+adapter is checked here with a fake ``ctx`` (slots recycled, rows re-sorted): the CPU build runs
+the V1 runner only.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from genlm_vlm.capture import (
+    FORCE_KEY,
+    TAG_KEY,
+    CaptureSink,
+    GlobalLogprobsCapture,
+    GlobalLogprobsCaptureV2,
+    binding_sink,
+)
+from genlm_vlm.engine.forcing import ParticleHost
+from genlm_vlm.engine.particles import Group
+
+
+def _params(tag=None, forced=None):
+    extra = {}
+    if tag is not None:
+        extra[TAG_KEY] = tag
+    if forced is not None:
+        extra[FORCE_KEY] = forced
+    return SamplingParams(max_tokens=1, extra_args=extra or None)
+
+
+def _update(removed=(), added=(), moved=(), size=0):
+    return BatchUpdate(batch_size=size, removed=list(removed), added=list(added), moved=list(moved))
+
+
+def _logits(n, v=11, seed=0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed))
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, rows, keys):
+        self.calls.append((list(rows), list(keys)))
+        return logits
+
+
+def _v1(sink):
+    with binding_sink(sink):
+        return GlobalLogprobsCapture(None, torch.device("cpu"), False)
+
+
+def _v2(sink):
+    with binding_sink(sink):
+        return GlobalLogprobsCaptureV2(None, None)
+
+
+def test_v1_hands_forced_rows_to_the_forcer_through_moves_and_swaps():
+    sink = CaptureSink()
+    sink.forcer = rec = Recorder()
+    cap = _v1(sink)
+    cap.update_state(_update(added=[(0, _params(forced="p1"), [1], []), (1, _params("t"), [2], []),
+                                    (2, _params(forced="p0"), [3], [])]))
+    x = _logits(3)
+    cap.apply(x)
+    assert rec.calls == [([0, 2], ["p1", "p0"])]  # rows in order, each with its request id
+    assert torch.equal(sink.pop("t"), torch.log_softmax(x[1], -1))  # captured rows are unaffected
+    cap.update_state(_update(removed=[1], added=[(3, _params(forced="p2"), [4], [])],
+                             moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL), (0, 3, MoveDirectionality.SWAP)]))
+    assert cap.row_forced == {1: "p0", 3: "p1", 0: "p2"}
+    cap.apply(_logits(4, seed=1))
+    assert rec.calls[-1] == ([0, 1, 3], ["p2", "p0", "p1"])
+    cap.update_state(_update(added=[(1, _params("u"), [5], [])]))  # an ordinary request takes row 1
+    cap.apply(_logits(2, seed=2))  # rows past the batch are not handed over
+    assert rec.calls[-1] == ([0], ["p2"])
+
+
+def test_v2_maps_slots_to_request_ids_and_forgets_recycled_slots():
+    sink = CaptureSink()
+    sink.forcer = rec = Recorder()
+    cap = _v2(sink)
+    assert cap.add_request(4, _params(forced="p7")) is True
+    assert cap.add_request(1, _params("t")) is True
+    assert cap.add_request(6, _params(forced="p8")) is True
+    assert cap.add_request(3, _params()) is False
+    x = _logits(4, seed=3)
+    out = cap.apply(x, SimpleNamespace(idx_mapping_np=np.array([6, 3, 1, 4], dtype=np.int32)))
+    assert out is x
+    assert rec.calls == [([0, 3], ["p8", "p7"])]
+    assert torch.equal(sink.pop("t"), torch.log_softmax(x[2], -1))
+    # slot 4 recycled for an ordinary request, slot 6 for another particle: no request id leaks
+    assert cap.add_request(4, _params()) is False
+    assert cap.add_request(6, _params(forced="p9")) is True
+    cap.apply(_logits(3, seed=4), SimpleNamespace(idx_mapping_np=np.array([4, 6, 1])))
+    assert rec.calls[-1] == ([1], ["p9"])
+    assert cap.slot_forced == {6: "p9"}
+
+
+class FakeRun:
+    """Decides once every group has its row: each group takes its row's argmax."""
+
+    def __init__(self, groups):
+        self.groups, self.have, self.done, self.ending = groups, 0, False, None
+        self.forced, self.counts = {}, {"early_rows": 0}
+
+    def take(self, group, row):
+        group.row = row
+        self.have += 1
+        return self.have == len(self.groups)
+
+    def decide(self):
+        self.forced = {g.rid: int(g.row.argmax()) for g in self.groups}
+
+
+def _host(groups):
+    host = ParticleHost(SimpleNamespace(count_fault=lambda kind: None))
+    run = FakeRun(groups)
+    for g in groups:
+        host.by_rid[g.rid] = (run, g)
+    return host, run
+
+
+def _groups():
+    out = []
+    for i in range(3):
+        g = Group(3)
+        g.rid = f"p{i}"
+        out.append(g)
+    return out
+
+
+def test_both_runners_force_the_same_tokens_through_one_core():
+    """The same three particles seen by V1 (rows 0..2) and V2 (slots, rows re-sorted): the
+    core forces each particle's row to -inf but for its token, whichever row it sits in."""
+    x = _logits(4, seed=5)
+    forced = {}
+    for runner in ("v1", "v2"):
+        groups = _groups()
+        host, run = _host(groups)
+        sink = CaptureSink()
+        sink.forcer = host.force
+        if runner == "v1":
+            cap = _v1(sink)
+            cap.update_state(_update(added=[(0, _params(forced="p0"), [1], []), (1, _params(), [1], []),
+                                            (2, _params(forced="p1"), [1], []), (3, _params(forced="p2"), [1], [])]))
+            logits, where = x.clone(), {"p0": 0, "p1": 2, "p2": 3}
+            out = cap.apply(logits)
+        else:
+            cap = _v2(sink)
+            for slot, rid in ((9, "p0"), (5, "p1"), (2, "p2")):
+                cap.add_request(slot, _params(forced=rid))
+            cap.add_request(0, _params())
+            logits = x[[3, 1, 2, 0]].clone()  # V2's rows: p2, the ordinary request, p1, p0
+            where = {"p2": 0, "p1": 2, "p0": 3}
+            out = cap.apply(logits, SimpleNamespace(idx_mapping_np=np.array([2, 0, 5, 9])))
+        assert out is logits
+        got = {}
+        for rid, r in where.items():
+            row = out[r]
+            assert int(torch.isfinite(row).sum()) == 1
+            got[rid] = int(row.argmax())
+        ordinary = 1
+        assert torch.equal(out[ordinary], x[1])  # the ordinary request's row is untouched
+        forced[runner] = got
+        assert run.have == 3
+    assert forced["v1"] == forced["v2"] == {f"p{i}": int(x[r].argmax()) for i, r in enumerate((0, 2, 3))}
+
+
+def test_partial_prefills_and_early_rows_are_not_forced():
+    groups = _groups()
+    host, run = _host(groups)
+    host._chunks = lambda: {"p1"}  # p1's row is a partial prefill this step
+    x = _logits(3, seed=6)
+    out = host.force(x.clone(), [0, 1, 2], ["p0", "p1", "p2"])
+    assert torch.equal(out, x)  # the run is not complete: nothing forced
+    assert groups[1].row is None and groups[0].stale and groups[2].stale  # p0, p2 wait for p1 (aborted after the step)
+    assert run.counts["early_rows"] == 2

@@ -1,0 +1,119 @@
+"""``lm.smc(..., engine_path="requests")``: particles as running requests whose tokens are forced
+inside vLLM's sampler (:mod:`genlm_vlm.engine.particles`), on the real engine.
+
+* a seeded run is byte-identical to the per-token reference (``in_engine=False``) and to the
+  burst, with and without resampling, on both architectures;
+* a resampled copy that diverges from its parent is a fork that computes only its partial block
+  (+1), never its history;
+* the option is checked like the others; what the path does not cover runs as a burst and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from genlm_vlm.smc import Regex
+
+pytestmark = pytest.mark.filterwarnings("ignore::genlm_vlm.smc.EmptyPosteriorWarning")
+
+PROMPT = "def main():\n    return"
+
+
+def _prompt(lm) -> list[int]:
+    tok = lm.tokenizer
+    return [tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)]
+
+
+def _fingerprint(result) -> list:
+    return [(p.token_ids, p.log_weight, p.status) for p in result.particles]
+
+
+def _same(a, b) -> None:
+    assert _fingerprint(a) == _fingerprint(b)
+    assert a.log_marginal == b.log_marginal and a.log_marginal_cut == b.log_marginal_cut
+    assert a.ess == b.ess and a.resampled_at == b.resampled_at
+    assert a.posterior == b.posterior
+
+
+@pytest.mark.parametrize("ess", [0.0, 0.9])
+def test_requests_path_is_byte_identical_to_the_reference_and_the_burst(lm, ess):
+    prompt = _prompt(lm)
+    args = dict(seed=11, ess_threshold=ess)
+    req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, in_engine=False, **args)
+    burst = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, **args)
+    assert req.stats["engine_path"] == "requests" and req.stats["runner"] == "v1"
+    assert "engine_path_fallback" not in req.stats
+    assert burst.stats["engine_path"] == "bursts"
+    _same(req, ref)
+    _same(req, burst)
+    counts = req.stats["particle_requests"]
+    assert counts["early_rows"] == 0 and counts["readded"] == 0  # every particle in every step
+    assert counts["forks"] >= 1  # the first step's particles share the prompt
+    if ess:
+        assert len(req.resampled_at) >= 1
+    s = lm.stats
+    assert s["particle_requests"]["running"] == 0 and s["particle_requests"]["requests"] == 0
+    assert s["bursts"]["running"] == 0
+
+
+def test_forks_compute_their_partial_block_only(llama_lm):
+    lm = llama_lm
+    prompt = _prompt(lm)
+    args = dict(seed=5, ess_threshold=0.9, resampling="multinomial", temperature=1.5)
+    req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, in_engine=False, **args)
+    _same(req, ref)
+    assert len(req.resampled_at) >= 2
+    counts = req.stats["particle_requests"]
+    assert counts["forks"] > 12  # the first step's and the resampled copies'
+    assert counts["fork_prefill_tokens"] > 0
+    # copy-on-write of the parent's tail block: a fork computes its new token only
+    assert counts["fork_prefill_max"] <= 1
+    assert counts["fork_prefill_tokens"] <= counts["forks"]
+
+
+def test_engine_path_is_checked(llama_lm):
+    prompt = _prompt(llama_lm)
+    with pytest.raises(ValueError, match="engine_path must be 'bursts'"):
+        llama_lm.smc_sync(prompt, Regex("[a-z]+"), 2, 2, engine_path="request")
+    with pytest.raises(TypeError, match="engine_path must be 'bursts' or 'requests'"):
+        asyncio.run(llama_lm.smc(prompt, Regex("[a-z]+"), 2, 2, engine_path=1))
+
+
+def test_a_product_of_prompts_falls_back_to_a_burst_and_says_why(llama_lm):
+    lm = llama_lm
+    p = _prompt(lm)
+    prompts = [p, p[:-1]]
+    req = lm.smc_sync(None, Regex(r"[a-z ]+"), 4, 6, seed=1, prompts=prompts, engine_path="requests")
+    burst = lm.smc_sync(None, Regex(r"[a-z ]+"), 4, 6, seed=1, prompts=prompts)
+    assert req.stats["engine_path"] == "bursts"
+    assert "product of prompts" in req.stats["engine_path_fallback"]
+    _same(req, burst)
+
+
+@pytest.mark.parametrize("kind", ["json", "ebnf", "lark", "mask"])
+def test_every_constraint_kind_is_byte_identical_on_the_requests_path(llama_lm, kind):
+    import numpy as np
+    from test_smc import CONSTRAINTS
+
+    from genlm_vlm.smc import TokenMask
+
+    lm = llama_lm
+    prompt = _prompt(lm)
+    if kind == "mask":
+        bits = np.zeros(lm.vocab_size, dtype=bool)
+        bits[5:200:3] = True
+        bits[lm.tokenizer.eos_token_id] = True
+
+        def make():
+            return TokenMask(lambda gens: np.repeat(bits[None, :], len(gens), axis=0), "every third token")
+    else:
+        make = CONSTRAINTS[kind]
+    args = dict(seed=11, ess_threshold=0.9, force_eos=True)
+    req = lm.smc_sync(prompt, make(), 12, 16, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, make(), 12, 16, in_engine=False, **args)
+    assert req.stats["engine_path"] == "requests"
+    _same(req, ref)
