@@ -1,4 +1,4 @@
-"""Command line: ``python -m genlm_vlm {demo,score,eval} ...``, and what the commands share.
+"""Command line: ``python -m genlm_vlm {demo,score,eval,bench} ...``, and what the commands share.
 
 Each command lives in its own package with a ``main(argv) -> int`` function:
 ``demo`` in :mod:`genlm_vlm.demo.cli`, ``score`` in :mod:`genlm_vlm.scoring.cli`, ``eval`` in
@@ -28,6 +28,7 @@ _COMMANDS = {
         "genlm_vlm.evaluation.cli",
         "lm-evaluation-harness tasks on genlm_vlm (lm-eval's arguments; the `eval` extra)",
     ),
+    "bench": ("genlm_vlm.bench.cli", "benchmark genlm_vlm against vLLM on a model (ratio table, JSON, plot)"),
 }
 
 
