@@ -36,7 +36,7 @@ SHAPES = {
 }
 DEFAULT_N = [16, 64]
 DEFAULT_MAX_TOKENS = 32
-DEFAULT_REPS = 3
+DEFAULT_REPS = 5
 QUICK = {"n": [4], "max_tokens": 8, "reps": 1}
 OPTIONAL = {"lm-eval": ("lm_eval", "lm-eval (pip install 'genlm-vlm[eval]')"),
             "control": ("genlm.control", "genlm-control (pip install genlm-control)")}

@@ -39,8 +39,9 @@ def check_cell(cell: Cell, runs: dict[str, list[dict[str, Any]]], warm: dict[str
     for label, rs in runs.items():
         for i, r in enumerate(rs, 1):
             where = f"{cell.workload} N={n} {label} rep {i}"
-            if cell.workload == "rows" and r["rows"] != n:
-                problems.append(f"{where}: {r['rows']} rows returned, {n} asked")
+            want = n * cell.lanes[0].kwargs.get("rounds", 1)
+            if cell.workload == "rows" and r["rows"] != want:
+                problems.append(f"{where}: {r['rows']} rows returned, {want} asked")
             if "particles" in r and r["particles"] != n:
                 problems.append(f"{where}: {r['particles']} particles, {n} asked")
             if cell.workload == "scoring" and r["records"] != n:

@@ -89,15 +89,19 @@ class GenlmSystem:
         self.lm.clear_cache()
         self.lm.release_sessions()
 
-    def job_rows(self, n: int, rep: int, batch: bool = False) -> dict[str, Any]:
-        prompts = W.rows_prompts(n, self.vocab, rep)
+    def job_rows(self, n: int, rep: int, rounds: int = 1, batch: bool = False) -> dict[str, Any]:
+        waves = W.rows_waves(n, rounds, self.vocab, rep)
         self._fresh()
         lm = self.lm
 
-        async def go() -> Any:
-            if batch:
-                return await lm.batch_next_token_logprobs(prompts)
-            return await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        async def go() -> list[Any]:
+            out = []
+            for prompts in waves:
+                if batch:
+                    out.extend(await lm.batch_next_token_logprobs(prompts))
+                else:
+                    out.extend(await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts)))
+            return out
 
         t0 = time.perf_counter()
         rows = self.loop.run_until_complete(go())
@@ -198,11 +202,16 @@ class VllmSystem:
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         return outs, time.perf_counter() - t0
 
-    def job_rows(self, n: int, rep: int) -> dict[str, Any]:
+    def job_rows(self, n: int, rep: int, rounds: int = 1) -> dict[str, Any]:
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, logprobs=-1, detokenize=False)
-        outs, wall = self._generate(W.rows_prompts(n, self.vocab, rep), params)
+        waves = [[TokensPrompt(prompt_token_ids=p) for p in w] for w in W.rows_waves(n, rounds, self.vocab, rep)]
+        self.llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = [o for w in waves for o in self.llm.generate(w, params, use_tqdm=False)]
+        wall = time.perf_counter() - t0
         widths = [len(o.outputs[0].logprobs[0]) for o in outs if o.outputs[0].logprobs]
         return {"wall_s": wall, "rows": len(widths), "width": min(widths, default=0)}
 

@@ -26,6 +26,8 @@ REGEX = r"[a-z ]+"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 #: GBNF-style EBNF (xgrammar's dialect, which both genlm_vlm's ``Grammar`` and vLLM read).
+#: Waves of N concurrent row requests in one timed run of the ``rows`` workload.
+ROWS_ROUNDS = 4
 GRAMMAR = 'root ::= word (" " word)*\nword ::= [a-z]+\n'
 
 
@@ -71,9 +73,10 @@ def plan(workloads: list[str], ns: list[int], max_tokens: int, constraint: str) 
 
 def _cell(w: str, n: int, t: int, constraint: str) -> Cell:
     if w == "rows":
-        return Cell(w, n, (Lane("genlm_vlm awaits", "genlm_vlm", "rows", {"n": n}),
-                           Lane("genlm_vlm batch", "genlm_vlm", "rows", {"n": n, "batch": True}),
-                           Lane("vllm logprobs=-1", "vllm", "rows", {"n": n})), "rows", "rows/s")
+        kw = {"n": n, "rounds": ROWS_ROUNDS}
+        return Cell(w, n, (Lane("genlm_vlm awaits", "genlm_vlm", "rows", kw),
+                           Lane("genlm_vlm batch", "genlm_vlm", "rows", {**kw, "batch": True}),
+                           Lane("vllm logprobs=-1", "vllm", "rows", kw)), "rows", "rows/s")
     if w == "smc":
         kw = {"n": n, "t": t, "constraint": constraint}
         return Cell(w, n, (Lane("lm.smc", "genlm_vlm", "smc", kw),
@@ -105,6 +108,13 @@ def rows_prompts(n: int, vocab: int, rep: int, min_len: int = 24, max_len: int =
             seen.add(tuple(p))
             out.append(p)
     return out
+
+
+def rows_waves(n: int, rounds: int, vocab: int, rep: int) -> list[list[list[int]]]:
+    """``rounds`` waves of ``n`` prompts (all distinct) for repetition ``rep``: a wave is sent
+    once the previous one has been answered."""
+    ps = rows_prompts(n * rounds, vocab, rep)
+    return [ps[i * n : (i + 1) * n] for i in range(rounds)]
 
 
 def score_records(n: int, vocab: int, rep: int) -> list[tuple[list[int], list[int]]]:
