@@ -72,14 +72,15 @@ TASKS=(
 )
 
 publish() {  # every finished task's files to $OUT, and one summary
+  local t n
   : > "$OUT/summary.txt"
   for t in "${TASKS[@]}"; do
-    name="${t%%|*}"
-    if [[ -f "$STATE/$name.status" ]]; then
-      mkdir -p "$OUT/$name" && cp -r "$STATE/$name/." "$OUT/$name/" 2>/dev/null || true
-      echo "$name: $(cat "$STATE/$name.status")" >> "$OUT/summary.txt"
+    n="${t%%|*}"
+    if [[ -f "$STATE/$n.status" ]]; then
+      mkdir -p "$OUT/$n" && cp -r "$STATE/$n/." "$OUT/$n/" 2>/dev/null || true
+      echo "$n: $(cat "$STATE/$n.status")" >> "$OUT/summary.txt"
     else
-      echo "$name: pending" >> "$OUT/summary.txt"
+      echo "$n: pending" >> "$OUT/summary.txt"
     fi
   done
 }
