@@ -2,7 +2,7 @@
 
 Each command lives in its own package with a ``main(argv) -> int`` function:
 ``demo`` in :mod:`genlm_vlm.demo.cli`, ``score`` in :mod:`genlm_vlm.scoring.cli`, ``eval`` in
-:mod:`genlm_vlm.evaluation.cli`. What they have
+:mod:`genlm_vlm.evaluation.cli`, ``bench`` in :mod:`genlm_vlm.bench.cli`. What they have
 in common is here: ``--quiet`` / ``--verbose``, the ``--engine-opt KEY=VALUE`` parser, and the
 check of ``--model`` that runs before torch or vLLM is imported (so a wrong path costs
 milliseconds, not an engine start).

@@ -70,6 +70,9 @@ class _Spec:
     intermediate: int | None = None  # MLP width; None -> 2 * hidden
     tie_embeddings: bool = False
     head_dim: int | None = None  # None -> hidden // heads (Qwen3 sets it apart)
+    # Weights N(0, 1/fan_in) and biases 0 instead of N(0, _INIT_STD^2): keeps the residual stream
+    # O(1) through many wide layers, so rows stay finite and far from one-hot in bfloat16 too.
+    scaled_init: bool = False
     # Zero the embedding and output rows of the logit columns past the tokenizer, so padding gets
     # logit 0 and almost no mass (random rows there would carry most of it, as empty tokens).
     zero_padded_rows: bool = False
@@ -108,7 +111,7 @@ _SPECS: dict[str, _Spec] = {
     "qwen3-0.6b-shape": _Spec(
         arch="qwen3", tokenizer_vocab=8192, corpus_chars=2_000_000, model_vocab=151936, hidden=1024,
         layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, tie_embeddings=True,
-        zero_padded_rows=True,
+        zero_padded_rows=True, scaled_init=True,
     ),
 }
 assert set(TINY_KINDS) <= set(_SPECS)
@@ -256,7 +259,7 @@ def _make_config(
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, std: float, scaled: bool = False) -> None:
     """Re-initialize every parameter from a private, seeded generator.
 
     Independent of transformers' own init code (which changes between
@@ -268,6 +271,12 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if "norm" in name:
             param.fill_(1.0)
+        elif scaled:  # ``scaled``: N(0, 1/fan_in) for matrices, 0 for biases
+            if param.dim() < 2:
+                param.zero_()
+            else:
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) / param.shape[1] ** 0.5
+                param.copy_(values.to(param.dtype))
         else:
             values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
             param.copy_(values.to(param.dtype))
@@ -290,7 +299,7 @@ def _build(kind: str, out_dir: pathlib.Path) -> None:
         torch.manual_seed(_SEED)
         model = AutoModelForCausalLM.from_config(config)
     model = model.to(torch.float32).eval()
-    _init_weights(model, _SEED, _INIT_STD)
+    _init_weights(model, _SEED, _INIT_STD, scaled=spec.scaled_init)
     if spec.zero_padded_rows and vocab_size > len(tokenizer):
         with torch.no_grad():
             for emb in (model.get_input_embeddings(), model.get_output_embeddings()):

@@ -334,14 +334,16 @@ def test_qwen3_0_6b_shape_config_without_building_it():
 
 
 def test_a_small_qwen3_builds_and_loads(tmp_path, monkeypatch):
-    """The Qwen3 builder (q/k norms, head_dim apart from hidden / heads, Qwen2's tokenizer) at a
-    small size: it loads with transformers and its padded logit columns are zeroed."""
+    """The Qwen3 builder (q/k norms, head_dim apart from hidden / heads, Qwen2's tokenizer, weights
+    scaled by fan-in) at a small size: it loads with transformers, its padded logit columns are
+    zeroed and its logits are of order 1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from genlm_vlm import testing
 
     spec = testing._Spec(arch="qwen3", tokenizer_vocab=400, corpus_chars=100_000, model_vocab=1024, hidden=128,
-                         layers=1, heads=2, kv_heads=1, head_dim=96, tie_embeddings=True, zero_padded_rows=True)
+                         layers=1, heads=2, kv_heads=1, head_dim=96, tie_embeddings=True, zero_padded_rows=True,
+                         scaled_init=True)
     monkeypatch.setitem(testing._SPECS, "qwen3-test", spec)
     path = testing.tiny_model_path("qwen3-test", cache_dir=tmp_path)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -349,5 +351,7 @@ def test_a_small_qwen3_builds_and_loads(tmp_path, monkeypatch):
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 96
     assert model.model.layers[0].self_attn.q_proj.out_features == 2 * 96
     ids = tok.encode("def f(x):\n    return x", add_special_tokens=False)
-    logits = model(torch.tensor([ids])).logits[0, -1]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
     assert logits.shape == (1024,) and torch.all(logits[len(tok):] == 0)
+    assert 0.3 < float(logits[: len(tok)].std()) < 3.0  # scaled_init: logits of order 1, rows far from one-hot

@@ -111,11 +111,13 @@ class GenlmSystem:
     def job_smc(self, n: int, t: int, constraint: str, rep: int, in_engine: bool = True) -> dict[str, Any]:
         from genlm_vlm.smc import Grammar, JSONSchema, Regex
 
-        c = {"regex": lambda: Regex(W.REGEX), "json": lambda: JSONSchema(W.SCHEMA),
+        c = {"regex": lambda: Regex(W.REGEX), "steady": lambda: Regex(W.STEADY), "json": lambda: JSONSchema(W.SCHEMA),
              "grammar": lambda: Grammar(W.GRAMMAR)}[constraint]()
+        ess = 0.0 if constraint == "steady" else 0.5
         self._fresh()
         t0 = time.perf_counter()
-        r = self.loop.run_until_complete(self.lm.smc(self.prompt, c, n, t, seed=rep, in_engine=in_engine))
+        r = self.loop.run_until_complete(self.lm.smc(self.prompt, c, n, t, seed=rep, in_engine=in_engine,
+                                                     ess_threshold=ess))
         wall = time.perf_counter() - t0
         return {"wall_s": wall, "particle_steps": r.stats["rows"], "steps": r.stats["steps"],
                 "particles": len(r.particles), "distinct": len({tuple(p.token_ids) for p in r.particles}),
@@ -229,6 +231,7 @@ class VllmSystem:
         from vllm.sampling_params import StructuredOutputsParams
 
         so = {"regex": lambda: StructuredOutputsParams(regex=W.REGEX),
+              "steady": lambda: StructuredOutputsParams(regex=W.STEADY),
               "json": lambda: StructuredOutputsParams(json=W.SCHEMA),
               "grammar": lambda: StructuredOutputsParams(grammar=W.GRAMMAR)}[constraint]()
         params = [SamplingParams(max_tokens=t, temperature=1.0, detokenize=False, seed=rep * 100_003 + i,

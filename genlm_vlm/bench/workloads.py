@@ -18,11 +18,14 @@ from typing import Any
 #: Workload names, in the order they run (``control`` imports genlm-backend: last).
 WORKLOADS = ("rows", "smc", "scoring", "lm-eval", "control")
 #: The constraints of the ``smc`` workload (``--constraint``).
-CONSTRAINTS = ("regex", "json", "grammar")
+#: ``steady``: ``[a-z ]{1000}`` with ``ess_threshold=0``: no particle can finish within T and none is
+#: resampled, so every step has N live particles (the decode comparison is then like for like).
+CONSTRAINTS = ("regex", "steady", "json", "grammar")
 
 SMC_PROMPT = ('"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps '
               "over the lazy dog and")
 REGEX = r"[a-z ]+"
+STEADY = r"[a-z ]{1000}"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 #: GBNF-style EBNF (xgrammar's dialect, which both genlm_vlm's ``Grammar`` and vLLM read).
