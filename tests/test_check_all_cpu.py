@@ -53,3 +53,18 @@ def test_a_finished_task_is_published_and_not_run_again(tmp_path):
     assert "env: ok" in (tmp_path / "out" / "summary.txt").read_text()
     again = _run(tmp_path, 300, "--only", "env")
     assert again.returncode == 0 and "task env" not in again.stdout and "ALL DONE" in again.stdout
+
+
+def test_rows_check_passes_on_the_demo_model(tmp_path):
+    """benchmarks/gpu/rows_check.py (the check's correctness half) on the CPU: float32 rows of
+    the demo model against transformers, within 2e-3, and its files written."""
+    pytest.importorskip("vllm")
+    import json
+    import runpy
+
+    mod = runpy.run_path(str(ROOT / "benchmarks" / "gpu" / "rows_check.py"), run_name="rows_check")
+    assert mod["main"](["--out", str(tmp_path), "--prompts", "4", "--max-len", "40"]) == 0
+    doc = json.loads((tmp_path / "rows_check.json").read_text())
+    assert doc["failed"] == 0 and doc["prompts"] == 4 and doc["worst_max_abs_diff"] < 2e-3
+    assert doc["info"]["runner"] in ("V1", "V2") and doc["engine_opts"]["dtype"] == "float32"
+    assert (tmp_path / "rows_check.txt").read_text().startswith("rows_check PASS")
