@@ -141,4 +141,5 @@ def write(result: dict[str, Any], out_dir: pathlib.Path) -> dict[str, pathlib.Pa
     result["files"] = {k: str(v) for k, v in files.items()}
     files["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
     files["table"].write_text(f"{header(result)}\n\n{table(result)}\n")
+    (out_dir / "partial.json").unlink(missing_ok=True)
     return files

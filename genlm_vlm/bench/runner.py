@@ -3,6 +3,7 @@ of the work every system did, and the medians and ratios (see :mod:`genlm_vlm.be
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import time
@@ -128,6 +129,8 @@ def run(cfg: Config, progress: bool = True, log: Callable[[str], None] = print) 
             bar.set_postfix_str(f"{cell.workload} N={cell.n}")
             res = run_cell(cell, procs, cfg.reps, tick=lambda: bar.update(1))
             result["cells"].append(res)
+            # what is done so far survives a later failure or a kill (bench.json replaces it)
+            (cfg.out / "partial.json").write_text(json.dumps(result, default=str) + "\n")
             for problem in res["problems"]:
                 log(f"bench: check failed: {problem}")
     finally:
