@@ -48,4 +48,4 @@ def test_quick_bench_end_to_end(tmp_path: pathlib.Path) -> None:
     assert plot.exists() and plot.stat().st_size > 0
     assert (out / "table.md").read_text().count("| smc | 4 |") == 3
     assert (out / "logs" / "vllm.log").exists()
-    assert not (out / "partial.json").exists()  
+    assert not (out / "partial.json").exists()  # written after each cell, replaced by bench.json
