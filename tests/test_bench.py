@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from genlm_vlm.bench import cli, harness, report, runner
-from genlm_vlm.bench.workloads import Cell, Lane, plan, processes_for, rows_waves
+from genlm_vlm.bench.workloads import Cell, Lane, mc_requests, plan, processes_for, rows_waves
 
 
 @pytest.mark.parametrize(
@@ -155,6 +155,9 @@ def test_plan_and_inputs():
     flat = [tuple(p) for w in waves for p in w]
     assert [len(w) for w in waves] == [5, 5, 5] and len(set(flat)) == 15
     assert rows_waves(5, 3, 1000, rep=1) == waves != rows_waves(5, 3, 1000, rep=2)
+    mc = mc_requests(8, rep=1)
+    assert len(mc) == 32 and len({c for c, _ in mc}) == 8
+    assert all(len(c) <= 240 and 0 < len(e) <= 41 for c, e in mc)  # short enough for max_model_len 512
 
 
 # ------------------------------------------------------------------------------ report

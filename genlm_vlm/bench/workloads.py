@@ -137,15 +137,16 @@ def corpus() -> str:
 
 
 def mc_requests(n: int, rep: int) -> list[tuple[str, str]]:
-    """``n`` multiple-choice questions as lm-eval ``loglikelihood`` pairs: a ~600-character
-    context and four ~60-character endings each (``4 n`` requests)."""
+    """``n`` multiple-choice questions as lm-eval ``loglikelihood`` pairs: a ~240-character
+    context and four ~40-character endings each (``4 n`` requests; under 300 tokens even with a
+    small vocabulary, so a ``max_model_len`` of 512 holds them)."""
     text = corpus()
     rng = random.Random(7919 * rep + n)
     out = []
     for _ in range(n):
-        i = rng.randrange(len(text) - 700)
-        ctx = text[i : i + 600].rstrip()
+        i = rng.randrange(len(text) - 300)
+        ctx = text[i : i + 240].rstrip()
         for _ in range(4):
             j = rng.randrange(len(text) - 100)
-            out.append((ctx, " " + text[j : j + 60].strip()))
+            out.append((ctx, " " + text[j : j + 40].strip()))
     return out
