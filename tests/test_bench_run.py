@@ -36,6 +36,8 @@ def test_quick_bench_end_to_end(tmp_path: pathlib.Path) -> None:
     # the two system processes ran with the same options, apart
     assert res["systems"]["genlm_vlm"]["pid"] != res["systems"]["vllm"]["pid"]
     assert res["engine_opts"]["kv_cache_memory_bytes"] == 1 << 30
+    split = {s["cpu_attn_split_kv"] for s in res["systems"].values()}
+    assert split == {"0"}  # the baseline computes attention as genlm_vlm's engine does
     cells = {(c["workload"], c["n"]): c for c in res["cells"]}
     assert set(cells) == {("rows", 4), ("smc", 4)}
     smc = cells[("smc", 4)]

@@ -24,12 +24,17 @@ from . import workloads as W
 def plain_engine_opts(extra: dict[str, Any]) -> dict[str, Any]:
     """genlm_vlm's engine defaults (plus the CPU build's), then ``extra``: what a plain
     ``vllm.LLM`` baseline gets, so that it runs with the options genlm_vlm's engine has (block
-    size included: vLLM's CPU default is 128, genlm_vlm's 32)."""
+    size included: vLLM's CPU default is 128, genlm_vlm's 32). On the CPU build this process's
+    attention also runs as genlm_vlm's engine runs it (split-KV off, unless the caller set
+    ``VLLM_CPU_ATTN_SPLIT_KV``: :func:`genlm_vlm.engine.options.batch_invariant_attention`)."""
     from genlm_vlm.engine import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS, is_cpu_platform
 
     opts = dict(DEFAULT_ENGINE_OPTS)
     if is_cpu_platform():
+        from genlm_vlm.engine.options import batch_invariant_attention
+
         opts.update(CPU_ENGINE_OPTS)
+        batch_invariant_attention()
     opts.update(extra)
     return opts
 
@@ -52,6 +57,7 @@ def machine_info(llm: Any) -> dict[str, Any]:
         "device": device, "dtype": str(getattr(cfg, "dtype", "unknown")).replace("torch.", ""),
         "runner": "V2" if predict_v2_runner() else "V1",
         "cuda_graphs": None if eager is None else not eager, "pid": os.getpid(),
+        "cpu_attn_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV"),
     }
 
 
@@ -220,8 +226,7 @@ class VllmSystem:
     def job_decode(self, n: int, rep: int, tokens: int) -> dict[str, Any]:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True,
-                                seed=rep)
+        params = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True)
         outs, wall = self._generate([self.prompt + [3 + i % 500] for i in range(n)], params)
         return {"wall_s": wall, "particle_steps": sum(len(o.outputs[0].token_ids) for o in outs),
                 "particles": len(outs)}
