@@ -24,17 +24,21 @@ from . import workloads as W
 def plain_engine_opts(extra: dict[str, Any]) -> dict[str, Any]:
     """genlm_vlm's engine defaults (plus the CPU build's), then ``extra``: what a plain
     ``vllm.LLM`` baseline gets, so that it runs with the options genlm_vlm's engine has (block
-    size included: vLLM's CPU default is 128, genlm_vlm's 32). On the CPU build this process's
-    attention also runs as genlm_vlm's engine runs it (split-KV off, unless the caller set
-    ``VLLM_CPU_ATTN_SPLIT_KV``: :func:`genlm_vlm.engine.options.batch_invariant_attention`)."""
+    size included: vLLM's CPU default is 128, genlm_vlm's 32). On the CPU build this process is
+    also set up as genlm_vlm sets up its engine's (the caller's own settings win): split-KV
+    attention off (:func:`genlm_vlm.engine.options.batch_invariant_attention`), oneDNN's
+    primitive cache capped, glibc keeping freed memory (``tune_cpu_allocator``)."""
     from genlm_vlm.engine import CPU_ENGINE_OPTS, DEFAULT_ENGINE_OPTS, is_cpu_platform
 
     opts = dict(DEFAULT_ENGINE_OPTS)
     if is_cpu_platform():
-        from genlm_vlm.engine.options import batch_invariant_attention
+        from genlm_vlm.engine.build import ONEDNN_PRIMITIVE_CACHE_CAPACITY
+        from genlm_vlm.engine.options import batch_invariant_attention, tune_cpu_allocator
 
         opts.update(CPU_ENGINE_OPTS)
         batch_invariant_attention()
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
+        tune_cpu_allocator()
     opts.update(extra)
     return opts
 
@@ -58,6 +62,7 @@ def machine_info(llm: Any) -> dict[str, Any]:
         "runner": "V2" if predict_v2_runner() else "V1",
         "cuda_graphs": None if eager is None else not eager, "pid": os.getpid(),
         "cpu_attn_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV"),
+        "onednn_cache": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
     }
 
 
