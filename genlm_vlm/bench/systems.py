@@ -63,6 +63,7 @@ def machine_info(llm: Any) -> dict[str, Any]:
         "cuda_graphs": None if eager is None else not eager, "pid": os.getpid(),
         "cpu_attn_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV"),
         "onednn_cache": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
+        "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
 
