@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Soak: is resident memory flat over a long run of SMC-shaped awaits?
 
-What is measured. One ``AsyncVirtualLM`` (the local ``llama-32k`` tiny model, bench_smc.py's
-engine options: float32, ``max_model_len`` 512, 1.5 GiB of KV cache) serves ``--waves`` waves
-of ``--per-wave`` awaits (default 60 x 1,080 = 64,800). A wave is one SMC run on a fresh random
+What is measured. One ``AsyncVirtualLM`` (the local ``llama-32k`` tiny model; engine options float32,
+``max_model_len`` 512, 1.5 GiB of KV cache) serves ``--waves`` waves of ``--per-wave`` awaits (default 60 x 1,080 = 64,800). A wave is one SMC run on a fresh random
 shared prompt (``--prompt-len``): ``--particles`` particles (60) each await their next-token row
 per step (``per_wave / particles`` steps: 18); every ``--resample-every`` steps (3) the particles
 are resampled (ancestors drawn uniformly with duplicates: forks), and at the other steps a
@@ -37,26 +36,11 @@ from one wave to the next as glibc keeps or returns free memory; the single poin
 trend are printed too). PASS: growth < ``--target-mb`` (50) and no error. Exit status 0 on
 PASS, 1 on FAIL.
 
-What grows, and the switches to find out: ``in_use`` of mallinfo growing with flat Python
-object and tensor counts is native memory (e.g. oneDNN's primitive cache, one entry per matmul
-shape: ``--onednn-cache N`` sets ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` before the engine is built);
-``free`` growing is memory glibc keeps (``--malloc-trim`` calls ``malloc_trim(0)`` after each
-wave and records what it returned; ``MALLOC_ARENA_MAX=2`` in the environment caps the arenas);
-``--gc-collect`` runs ``gc.collect()`` after each wave and records what it freed (rows held by
-reference cycles); ``--tracemalloc`` diffs Python allocations between the end of warm-up and the
-end; ``kv-res`` below the KV size would be KV pages not yet touched.
+What grows, and the switches that find out, are in benchmarks/README.md.
 
-Examples::
-
-    .venv/bin/python benchmarks/bench_soak.py                  # full soak, 64,800 awaits (~1 min)
-    .venv/bin/python benchmarks/bench_soak.py --quick          # 6 waves (~20 s, mostly start-up)
-    .venv/bin/python benchmarks/bench_soak.py --onednn-cache 0 # oneDNN primitive cache off
-    .venv/bin/python benchmarks/bench_soak.py --waves 20 --diagnose --gc-collect --malloc-trim
-    MALLOC_ARENA_MAX=2 .venv/bin/python benchmarks/bench_soak.py
-
-Results (configuration, memory-related environment variables, git commit, every wave's
-figures, the summary, the engine's counters) go to ``--out`` as JSON (default
-``benchmarks/results/soak.json``).
+Examples are in benchmarks/README.md. Results (configuration, memory-related environment
+variables, git commit, every wave's figures, the summary, the engine's counters) go to ``--out``
+as JSON (default ``benchmarks/results/soak.json``).
 """
 
 from __future__ import annotations
@@ -466,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="6 waves (about 20 s, mostly start-up)")
     ap.add_argument("--model", default="llama-32k")
     ap.add_argument("--kv-bytes", type=int, default=None,
-                    help="kv_cache_memory_bytes (default 1.5 GiB as bench_smc.py; 0: genlm_vlm's sizing)")
+                    help="kv_cache_memory_bytes (default 1.5 GiB; 0: genlm_vlm's sizing)")
     ap.add_argument("--engine-opts", default="{}", help="JSON merged into the engine options")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--diagnose", action="store_true", help="count Python objects and torch tensors per wave (gc)")

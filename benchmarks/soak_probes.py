@@ -17,9 +17,9 @@ _HERE = pathlib.Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(_HERE.parent))
 
-from benchmarks import harness  # noqa: E402
+from genlm_vlm.bench.harness import setup_environment  # noqa: E402
 
-harness.setup_environment()  # before vLLM is imported
+setup_environment()  # before vLLM is imported
 
 import torch  # noqa: E402
 

@@ -30,7 +30,7 @@ much of vLLM's log is shown), :mod:`genlm_vlm.testing` (tiny local models for te
 :mod:`genlm_vlm.smc` (constrained SMC inside the engine: constraints, results, the controller
 seam). Everything else is internal and may change
 without notice: ``base``, ``continuation``, ``checks``, ``serving``, ``vllm_lm``, ``mock``, ``batching``, ``cache``, ``capture``,
-``rowring``, ``lora``, ``sync_rows``, ``dedup``, ``_mailbox``, ``_lazy``, ``engine``, ``replicas``, ``cli``, ``_paths``,
+``rowring``, ``lora``, ``sync_rows``, ``dedup``, ``_mailbox``, ``_lazy``, ``engine``, ``replicas``, ``cli``, ``bench``, ``_paths``,
 ``_genlm_compat``, ``_version``, and the submodules of the packages above (import the public names from the
 package: ``genlm_vlm.vocab.Token``, not ``genlm_vlm.vocab.token.Token``). The model classes
 are public through the names above, not through the modules that define them.

@@ -1,8 +1,8 @@
-"""Command line: ``python -m genlm_vlm {demo,score,eval} ...``, and what the commands share.
+"""Command line: ``python -m genlm_vlm {demo,score,eval,bench} ...``, and what the commands share.
 
 Each command lives in its own package with a ``main(argv) -> int`` function:
 ``demo`` in :mod:`genlm_vlm.demo.cli`, ``score`` in :mod:`genlm_vlm.scoring.cli`, ``eval`` in
-:mod:`genlm_vlm.evaluation.cli`. What they have
+:mod:`genlm_vlm.evaluation.cli`, ``bench`` in :mod:`genlm_vlm.bench.cli`. What they have
 in common is here: ``--quiet`` / ``--verbose``, the ``--engine-opt KEY=VALUE`` parser, and the
 check of ``--model`` that runs before torch or vLLM is imported (so a wrong path costs
 milliseconds, not an engine start).
@@ -28,6 +28,7 @@ _COMMANDS = {
         "genlm_vlm.evaluation.cli",
         "lm-evaluation-harness tasks on genlm_vlm (lm-eval's arguments; the `eval` extra)",
     ),
+    "bench": ("genlm_vlm.bench.cli", "benchmark genlm_vlm against vLLM on a model (ratio table, JSON, plot)"),
 }
 
 

@@ -59,7 +59,7 @@ _INIT_STD = 0.2
 
 @dataclass(frozen=True)
 class _Spec:
-    arch: str  # "llama" or "qwen2"
+    arch: str  # "llama", "qwen2" or "qwen3"
     tokenizer_vocab: int  # BPE training target (including special tokens)
     corpus_chars: int  # how many characters of stdlib source to train on
     model_vocab: int | None = None  # logit width; None -> len(tokenizer)
@@ -69,6 +69,10 @@ class _Spec:
     kv_heads: int | None = None  # None -> heads
     intermediate: int | None = None  # MLP width; None -> 2 * hidden
     tie_embeddings: bool = False
+    head_dim: int | None = None  # None -> hidden // heads (Qwen3 sets it apart)
+    # Weights N(0, 1/fan_in) and biases 0 instead of N(0, _INIT_STD^2): keeps the residual stream
+    # O(1) through many wide layers, so rows stay finite and far from one-hot in bfloat16 too.
+    scaled_init: bool = False
     # Zero the embedding and output rows of the logit columns past the tokenizer, so padding gets
     # logit 0 and almost no mass (random rows there would carry most of it, as empty tokens).
     zero_padded_rows: bool = False
@@ -100,6 +104,14 @@ _SPECS: dict[str, _Spec] = {
     "qwen2-0.5b-shape": _Spec(
         arch="qwen2", tokenizer_vocab=32768, corpus_chars=5_000_000, model_vocab=151936, hidden=896,
         layers=24, heads=14, kv_heads=2, intermediate=4864, tie_embeddings=True, zero_padded_rows=True,
+    ),
+    # Benchmarks only: Qwen3-0.6B's shape (28 layers, hidden 1024, 16 heads of dim 128, 8 KV heads,
+    # q/k norms, MLP 3072, tied embeddings, 151,936 logit columns) with random weights and an 8k
+    # tokenizer; the columns past it are zeroed padding (~600M params).
+    "qwen3-0.6b-shape": _Spec(
+        arch="qwen3", tokenizer_vocab=8192, corpus_chars=2_000_000, model_vocab=151936, hidden=1024,
+        layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, tie_embeddings=True,
+        zero_padded_rows=True, scaled_init=True,
     ),
 }
 assert set(TINY_KINDS) <= set(_SPECS)
@@ -208,6 +220,7 @@ def _make_config(
     kv_heads: int | None = None,
     intermediate: int | None = None,
     tie_embeddings: bool = False,
+    head_dim: int | None = None,
 ) -> Any:
     heads = heads or hidden // 64  # head_dim 64: vLLM's CPU attention rejects tiny head dims
     common: dict[str, Any] = dict(
@@ -234,6 +247,11 @@ def _make_config(
 
         config = Qwen2Config(use_sliding_window=False, **common)
         config.architectures = ["Qwen2ForCausalLM"]
+    elif arch == "qwen3":
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(use_sliding_window=False, head_dim=head_dim or hidden // heads, **common)
+        config.architectures = ["Qwen3ForCausalLM"]
     else:  # pragma: no cover - guarded by _SPECS
         raise ValueError(arch)
     config.dtype = torch.float32
@@ -241,7 +259,7 @@ def _make_config(
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, std: float, scaled: bool = False) -> None:
     """Re-initialize every parameter from a private, seeded generator.
 
     Independent of transformers' own init code (which changes between
@@ -253,6 +271,12 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if "norm" in name:
             param.fill_(1.0)
+        elif scaled:  # ``scaled``: N(0, 1/fan_in) for matrices, 0 for biases
+            if param.dim() < 2:
+                param.zero_()
+            else:
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) / param.shape[1] ** 0.5
+                param.copy_(values.to(param.dtype))
         else:
             values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
             param.copy_(values.to(param.dtype))
@@ -262,18 +286,20 @@ def _build(kind: str, out_dir: pathlib.Path) -> None:
     from transformers import AutoModelForCausalLM
 
     spec = _SPECS[kind]
-    tokenizer = _train_tokenizer(spec.arch, spec.tokenizer_vocab, spec.corpus_chars)
+    # Qwen3 checkpoints load their tokenizer as Qwen2Tokenizer too
+    tok_arch = "qwen2" if spec.arch == "qwen3" else spec.arch
+    tokenizer = _train_tokenizer(tok_arch, spec.tokenizer_vocab, spec.corpus_chars)
     vocab_size = max(len(tokenizer), spec.model_vocab or 0)
     config = _make_config(
         spec.arch, vocab_size, spec.hidden, spec.layers, spec.heads, spec.kv_heads, spec.intermediate,
-        spec.tie_embeddings,
+        spec.tie_embeddings, spec.head_dim,
     )
     # transformers' own init draws from the global RNG; keep the caller's state intact.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         model = AutoModelForCausalLM.from_config(config)
     model = model.to(torch.float32).eval()
-    _init_weights(model, _SEED, _INIT_STD)
+    _init_weights(model, _SEED, _INIT_STD, scaled=spec.scaled_init)
     if spec.zero_padded_rows and vocab_size > len(tokenizer):
         with torch.no_grad():
             for emb in (model.get_input_embeddings(), model.get_output_embeddings()):

@@ -403,13 +403,14 @@ def test_engine_opt_values_are_parsed_one_way_in_both_commands(tmp_path, monkeyp
         assert "--engine-opt expects key=value, got '=3'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["demo", "score"])
+@pytest.mark.parametrize("command", ["demo", "score", "bench"])
 @pytest.mark.parametrize("model", ["/no/such/dir", "./missing-model", "no//hub-id"])
 def test_missing_model_fails_in_well_under_a_second(command, model, tmp_path) -> None:
     """From the command line: one line naming the path, status 2, before torch or vLLM load."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "a"}\n')
-    args = ["demo", "--model", model] if command == "demo" else ["score", str(src), "-", "--model", model]
+    args = {"demo": ["demo", "--model", model], "score": ["score", str(src), "-", "--model", model],
+            "bench": ["bench", "--model", model, "--out", str(tmp_path / "out")]}[command]
     code = (
         "import sys\n"
         "from genlm_vlm.cli import main\n"
@@ -428,7 +429,7 @@ def test_missing_model_fails_in_well_under_a_second(command, model, tmp_path) ->
 
 
 def test_cli_docstring_and_usage_name_the_real_commands() -> None:
-    assert set(cli._COMMANDS) == {"demo", "score", "eval"}
+    assert set(cli._COMMANDS) == {"demo", "score", "eval", "bench"}
     for name in cli._COMMANDS:
         assert f"``{name}``" in cli.__doc__ and f"  {name} " in cli._usage()
     assert "info" not in cli.__doc__ and "info" not in cli._usage()

@@ -310,3 +310,48 @@ def test_random_prompts():
         random_prompts(1, 100, min_len=5, max_len=4)
     with pytest.raises(ValueError):
         random_prompts(1, 100, min_len=0)
+
+
+def test_qwen3_0_6b_shape_config_without_building_it():
+    """``--model-shape qwen3-0.6b`` (python -m genlm_vlm bench): Qwen3-0.6B's config.json shape,
+    ~0.6B parameters counted on the meta device (nothing allocated, no tokenizer trained)."""
+    from transformers import AutoModelForCausalLM
+
+    from genlm_vlm.bench.cli import SHAPES
+    from genlm_vlm.testing import _SPECS, _make_config
+
+    assert set(SHAPES.values()) <= set(_SPECS)
+    s = _SPECS[SHAPES["qwen3-0.6b"]]
+    q = _make_config(s.arch, s.model_vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.intermediate,
+                     s.tie_embeddings, s.head_dim)
+    assert q.architectures == ["Qwen3ForCausalLM"] and q.model_type == "qwen3"
+    assert (q.hidden_size, q.num_hidden_layers, q.num_attention_heads, q.num_key_value_heads) == (1024, 28, 16, 8)
+    assert (q.head_dim, q.intermediate_size, q.vocab_size, q.tie_word_embeddings) == (128, 3072, 151936, True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(q)
+    n = sum(p.numel() for p in model.parameters())
+    assert 0.55e9 < n < 0.65e9, n
+
+
+def test_a_small_qwen3_builds_and_loads(tmp_path, monkeypatch):
+    """The Qwen3 builder (q/k norms, head_dim apart from hidden / heads, Qwen2's tokenizer, weights
+    scaled by fan-in) at a small size: it loads with transformers, its padded logit columns are
+    zeroed and its logits are of order 1."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from genlm_vlm import testing
+
+    spec = testing._Spec(arch="qwen3", tokenizer_vocab=400, corpus_chars=100_000, model_vocab=1024, hidden=128,
+                         layers=1, heads=2, kv_heads=1, head_dim=96, tie_embeddings=True, zero_padded_rows=True,
+                         scaled_init=True)
+    monkeypatch.setitem(testing._SPECS, "qwen3-test", spec)
+    path = testing.tiny_model_path("qwen3-test", cache_dir=tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 96
+    assert model.model.layers[0].self_attn.q_proj.out_features == 2 * 96
+    ids = tok.encode("def f(x):\n    return x", add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    assert logits.shape == (1024,) and torch.all(logits[len(tok):] == 0)
+    assert 0.3 < float(logits[: len(tok)].std()) < 3.0  # scaled_init: logits of order 1, rows far from one-hot
