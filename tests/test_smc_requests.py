@@ -117,3 +117,34 @@ def test_every_constraint_kind_is_byte_identical_on_the_requests_path(llama_lm, 
     ref = lm.smc_sync(prompt, make(), 12, 16, in_engine=False, **args)
     assert req.stats["engine_path"] == "requests"
     _same(req, ref)
+
+
+def test_a_critic_and_an_allof_constraint_are_byte_identical_on_the_requests_path(llama_lm):
+    """A terminal critic (applied after the run, on the host) and ``AllOf`` of a grammar and a
+    ``TokenMask`` (both matchers inside the sampler) give the reference's run exactly."""
+    import numpy as np
+
+    from genlm_vlm.smc import AllOf, TokenMask
+
+    lm = llama_lm
+    prompt = _prompt(lm)
+    bits = np.ones(lm.vocab_size, dtype=bool)
+    bits[1::5] = False  # every fifth id off (EOS stays on: the constraint may end)
+    bits[lm.tokenizer.eos_token_id] = True
+
+    def make():
+        return AllOf(Regex(r"[a-z ]+"), TokenMask(lambda gens: np.repeat(bits[None, :], len(gens), axis=0), "4 of 5"))
+
+    def critic(texts):
+        return [-0.3 * t.count(b" ") - 0.1 * len(t) for t in texts]  # texts are bytes
+
+    args = dict(seed=13, ess_threshold=0.9, force_eos=True)
+    for extra in (dict(critic=critic), {}):
+        req = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", **args, **extra)
+        ref = lm.smc_sync(prompt, make(), 12, 12, in_engine=False, **args, **extra)
+        assert req.stats["engine_path"] == "requests", req.stats.get("engine_path_fallback")
+        _same(req, ref)
+        assert len(req.resampled_at) >= 1
+    plain = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", **args)
+    judged = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", critic=critic, **args)
+    assert plain.posterior != judged.posterior  # the critic reweighted the same texts
