@@ -338,5 +338,6 @@ async def test_requests_path_runs_of_both_kinds_at_once_keep_their_rows(lora_lm)
         assert _smc_fingerprint(req) == _smc_fingerprint(ref), name
         why = req.stats.get("engine_path_fallback")
         assert why is None or "separate steps" in why, why
+    assert any(r.stats["engine_path"] == "requests" for r in got)  # the first one in, at least
     s = lora_lm.stats
     assert s["particle_requests"]["running"] == 0 and s["particle_requests"]["requests"] == 0
