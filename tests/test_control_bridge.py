@@ -313,6 +313,7 @@ async def test_a_bare_promptedllm_or_wrong_option_types_are_type_errors(gc, llm)
         (dict(fallback=1), "fallback must be True or False"),
         (dict(json_schema="yes"), "json_schema must be True or False"),
         (dict(in_engine=None), "in_engine must be True or False"),
+        (dict(engine_path=1), "engine_path must be 'bursts' or 'requests'"),
         (dict(resampling_method=None), "resampling_method must be a str"),
         (dict(critic=lambda texts: 0.0), "critic must be a genlm-control potential"),
     ]
@@ -324,6 +325,8 @@ async def test_a_bare_promptedllm_or_wrong_option_types_are_type_errors(gc, llm)
                               **args)
     with pytest.raises(ValueError, match="n_particles must be an int >= 1, got 0"):
         await control.smc(sampler, 0, 0.5, 4)
+    with pytest.raises(ValueError, match="engine_path must be 'bursts'"):
+        await control.smc(sampler, 4, 0.5, 4, engine_path="request")
     seqs = await control.smc(sampler, np.int64(4), np.float32(0.5), np.int32(4), seed=np.int64(1))  # numpy: fine
     assert len(seqs) == 4
 
@@ -502,6 +505,24 @@ async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
     (a, b) = runs
     assert [list(c) for c in a.contexts] == [list(c) for c in b.contexts]
     assert np.array_equal(a.log_weights, b.log_weights) and a.log_ml == b.log_ml
+
+
+async def test_bridge_on_the_requests_path_equals_the_burst(gc, many_eos_llm, llama_lm):
+    """``engine_path="requests"`` reaches ``lm.smc``: the run takes that path (counted in
+    ``lm.stats``) and equals the same run as a burst, with a critic too."""
+    from genlm_vlm import control
+
+    llm = many_eos_llm.spawn(temperature=0.7)
+    cond = gc.BoolFSA.from_regex(r"[aq]{1,4}").coerce(llm, f=b"".join)
+    critic = gc.BoolFSA.from_regex(r"[aq]*q[aq]*").coerce(llm, f=b"".join)
+    for crit in (None, critic):
+        before = dict(llama_lm.stats["particle_requests"])
+        req = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, critic=crit, seed=3, engine_path="requests")
+        after = llama_lm.stats["particle_requests"]
+        assert after["runs"] == before["runs"] + 1 and after["fallbacks"] == before["fallbacks"]
+        burst = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, critic=crit, seed=3)
+        assert [list(c) for c in req.contexts] == [list(c) for c in burst.contexts]
+        assert np.array_equal(req.log_weights, burst.log_weights) and req.log_ml == burst.log_ml
 
 
 async def test_products_of_conditions(gc, llm, llama_lm):

@@ -296,3 +296,48 @@ def test_lm_eval_model_scores_under_an_adapter(lora_lm, adapters, model_paths):
         ll_base = float(sum(float(base[t][x[t]]) for t in range(len(x))))
         assert ll == pytest.approx(ll_want, abs=1e-3)
         assert abs(ll_want - ll_base) > 1e-2  # the adapter changes the answer
+
+
+def _smc_fingerprint(result) -> list:
+    return [(p.token_ids, p.log_weight, p.status) for p in result.particles]
+
+
+def test_smc_under_an_adapter_on_the_requests_path_equals_the_reference(lora_lm):
+    """Particles as running requests carry the run's adapter (forks included): byte-identical to
+    the per-token reference under that adapter, and not the base model's run."""
+    from genlm_vlm.smc import Regex
+
+    prompt = [5, 9, 17, 33, 40]
+    args = dict(seed=4, ess_threshold=0.9)
+    runs = {}
+    for name in ("a", None):
+        req = lora_lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, lora_name=name, engine_path="requests", **args)
+        ref = lora_lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, lora_name=name, in_engine=False, **args)
+        assert req.stats["engine_path"] == "requests", req.stats.get("engine_path_fallback")
+        assert _smc_fingerprint(req) == _smc_fingerprint(ref)
+        assert req.log_marginal == ref.log_marginal and req.resampled_at == ref.resampled_at
+        assert req.stats["particle_requests"]["forks"] >= 1  # the first step's particles share the prompt
+        runs[name] = [p.log_weight for p in req.particles]
+    assert runs["a"] != runs[None]  # the adapter's rows, not the base model's
+
+
+async def test_requests_path_runs_of_both_kinds_at_once_keep_their_rows(lora_lm):
+    """Runs under two adapters and one on the base model, all asking for the requests path at
+    once (the adapters fill every LoRA slot): each equals its reference. On CPU a run whose kind
+    (adapter or base) is not the running one runs as a burst and says why."""
+    from genlm_vlm.smc import Regex
+
+    prompt = [5, 9, 17, 33, 40]
+    names = ("a", "b", None)
+    args = dict(seed=7, ess_threshold=0.9)
+    got = await asyncio.gather(*(
+        lora_lm.smc(prompt, Regex(r"[a-z ]+"), 6, 8, lora_name=n, engine_path="requests", **args) for n in names
+    ))
+    for name, req in zip(names, got, strict=True):
+        ref = await lora_lm.smc(prompt, Regex(r"[a-z ]+"), 6, 8, lora_name=name, in_engine=False, **args)
+        assert _smc_fingerprint(req) == _smc_fingerprint(ref), name
+        why = req.stats.get("engine_path_fallback")
+        assert why is None or "separate steps" in why, why
+    assert any(r.stats["engine_path"] == "requests" for r in got)  # the first one in, at least
+    s = lora_lm.stats
+    assert s["particle_requests"]["running"] == 0 and s["particle_requests"]["requests"] == 0

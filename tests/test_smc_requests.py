@@ -83,15 +83,27 @@ def test_engine_path_is_checked(llama_lm):
         asyncio.run(llama_lm.smc(prompt, Regex("[a-z]+"), 2, 2, engine_path=1))
 
 
-def test_a_product_of_prompts_falls_back_to_a_burst_and_says_why(llama_lm):
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_a_product_of_prompts_is_byte_identical_on_the_requests_path(llama_lm, temperature):
+    """One group per factor context, every factor's rows in before the controller decides, folded
+    as a burst folds them: the reference's run exactly, with resampling."""
     lm = llama_lm
-    p = _prompt(lm)
-    prompts = [p, p[:-1]]
-    req = lm.smc_sync(None, Regex(r"[a-z ]+"), 4, 6, seed=1, prompts=prompts, engine_path="requests")
-    burst = lm.smc_sync(None, Regex(r"[a-z ]+"), 4, 6, seed=1, prompts=prompts)
-    assert req.stats["engine_path"] == "bursts"
-    assert "product of prompts" in req.stats["engine_path_fallback"]
+    tok = lm.tokenizer
+    prompts = [_prompt(lm), [tok.bos_token_id, *tok.encode("hello world", add_special_tokens=False)]]
+    args = dict(seed=7, ess_threshold=0.9, prompts=prompts, temperature=temperature)
+    req = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, engine_path="requests", **args)
+    ref = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, in_engine=False, **args)
+    burst = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, **args)
+    assert req.stats["engine_path"] == "requests", req.stats.get("engine_path_fallback")
+    _same(req, ref)
     _same(req, burst)
+    assert req.resampled_at
+    counts = req.stats["particle_requests"]
+    assert counts["early_rows"] == 0 and counts["readded"] == 0
+    assert counts["forks"] >= 2  # each factor's first step: its particles share its prompt
+    one = lm.smc_sync(prompts[0], Regex(r"[a-z ]+"), 12, 14, seed=7, ess_threshold=0.9, temperature=temperature,
+                      engine_path="requests")
+    assert _fingerprint(one) != _fingerprint(req)  # the second factor's rows count
 
 
 @pytest.mark.parametrize("kind", ["json", "ebnf", "lark", "mask"])
@@ -117,3 +129,34 @@ def test_every_constraint_kind_is_byte_identical_on_the_requests_path(llama_lm, 
     ref = lm.smc_sync(prompt, make(), 12, 16, in_engine=False, **args)
     assert req.stats["engine_path"] == "requests"
     _same(req, ref)
+
+
+def test_a_critic_and_an_allof_constraint_are_byte_identical_on_the_requests_path(llama_lm):
+    """A terminal critic (applied after the run, on the host) and ``AllOf`` of a grammar and a
+    ``TokenMask`` (both matchers inside the sampler) give the reference's run exactly."""
+    import numpy as np
+
+    from genlm_vlm.smc import AllOf, TokenMask
+
+    lm = llama_lm
+    prompt = _prompt(lm)
+    bits = np.ones(lm.vocab_size, dtype=bool)
+    bits[1::5] = False  # every fifth id off (EOS stays on: the constraint may end)
+    bits[lm.tokenizer.eos_token_id] = True
+
+    def make():
+        return AllOf(Regex(r"[a-z ]+"), TokenMask(lambda gens: np.repeat(bits[None, :], len(gens), axis=0), "4 of 5"))
+
+    def critic(texts):
+        return [-0.3 * t.count(b" ") - 0.1 * len(t) for t in texts]  # texts are bytes
+
+    args = dict(seed=13, ess_threshold=0.9, force_eos=True)
+    for extra in (dict(critic=critic), {}):
+        req = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", **args, **extra)
+        ref = lm.smc_sync(prompt, make(), 12, 12, in_engine=False, **args, **extra)
+        assert req.stats["engine_path"] == "requests", req.stats.get("engine_path_fallback")
+        _same(req, ref)
+        assert len(req.resampled_at) >= 1
+    plain = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", **args)
+    judged = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", critic=critic, **args)
+    assert plain.posterior != judged.posterior  # the critic reweighted the same texts

@@ -132,6 +132,25 @@ def test_four_times_max_num_seqs_particles_stay_exact(llama_tight_lm):
     _idle(lm)
 
 
+def test_a_product_of_prompts_past_max_num_seqs_stays_exact(llama_tight_lm):
+    """Two factors of 6 particles on max_num_seqs=4: a step's groups of both factors never fit
+    one engine step; the run still decides only with every factor's rows and equals the
+    reference."""
+    lm = llama_tight_lm
+    tok = lm.tokenizer
+    prompts = [_prompt(lm), [tok.bos_token_id, *tok.encode("hello world", add_special_tokens=False)]]
+    args = dict(seed=5, ess_threshold=0.9, prompts=prompts)
+    req = lm.smc_sync(None, Regex(r"[a-z ]+"), 6, 8, engine_path="requests", **args)
+    ref = lm.smc_sync(None, Regex(r"[a-z ]+"), 6, 8, in_engine=False, **args)
+    assert req.stats["engine_path"] == "requests", req.stats.get("engine_path_fallback")
+    assert [(p.token_ids, p.log_weight, p.status) for p in req.particles] == \
+        [(p.token_ids, p.log_weight, p.status) for p in ref.particles]
+    assert req.log_marginal == ref.log_marginal and req.resampled_at == ref.resampled_at
+    counts = req.stats["particle_requests"]
+    assert counts["early_rows"] > 0 and counts["readded"] > 0
+    _idle(lm)
+
+
 def test_a_failed_engine_step_fails_the_run_and_leaves_no_wrong_row(fresh_lm):
     """An exception out of vLLM's step (here the forcer itself, once) fails every run on the
     requests path with it; the prefix cache is reset and later runs equal their reference."""

@@ -383,7 +383,7 @@ def _empty_ids(llm: Any) -> list[int]:
 # ------------------------------------------------------------------------------ the run
 async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: int, *, critic: Any = None,
               seed: int | None = None, fallback: bool = False, json_schema: bool = False,
-              resampling_method: str = "multinomial", in_engine: bool = True) -> Any:
+              resampling_method: str = "multinomial", in_engine: bool = True, engine_path: str = "bursts") -> Any:
     """``sampler.smc(n_particles, ess_threshold, max_tokens, critic=critic)`` of genlm-control,
     run as :meth:`~genlm_vlm.AsyncLM.smc` on the ``PromptedLLM``'s genlm_vlm model (on an
     :class:`~genlm_vlm.AsyncVirtualLM`, in the engine). Same target, same ``max_tokens``
@@ -401,13 +401,16 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     ``seed`` makes the engine run reproducible. Anything else raises
     :class:`~genlm_vlm.control.translate.UntranslatableError` naming what, why and what to do
     instead; with ``fallback=True`` genlm-control runs it itself, per token, instead. Options of
-    the wrong type raise ``TypeError``, before anything runs.
+    the wrong type raise ``TypeError``, before anything runs. ``engine_path`` is passed to
+    ``lm.smc`` (``"requests"``: particles as running requests, experimental; checked as there,
+    before anything runs; ignored by ``in_engine=False`` and ``fallback``'s runs).
 
     A run in which no particle finished (every particle died, e.g. at the forced EOS where the
     condition does not accept the text yet) warns (:class:`~genlm_vlm.smc.EmptyPosteriorWarning`) that the posterior is empty
     and says what to change; ``Sequences`` is returned all the same.
     """
-    check_options(n_particles, ess_threshold, max_tokens, seed, fallback, json_schema, resampling_method, in_engine)
+    check_options(n_particles, ess_threshold, max_tokens, seed, fallback, json_schema, resampling_method, in_engine,
+                  engine_path)
     check_sampler(sampler, critic)
     if resampling_method not in _RESAMPLING:
         if not fallback:
@@ -432,7 +435,8 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     result = await llm.model.smc(
         prompt, constraint_for(p), n_particles, max_tokens, ess_threshold=ess_threshold,
         resampling=resampling_method, seed=seed, lora_name=llm.lora_name,
-        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, in_engine=in_engine, **extra,
+        eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, in_engine=in_engine,
+        engine_path=engine_path, **extra,
     )
     seqs = to_sequences(llm, result)
     # A result that carries its own reason (empty_reason) was announced by lm.smc already.

@@ -9,7 +9,7 @@ import math
 import warnings
 from typing import Any
 
-from ..checks import check_count, check_flag, check_real, check_seed
+from ..checks import check_count, check_engine_path, check_flag, check_real, check_seed
 
 #: The resampling schemes ``lm.smc`` runs (others: ``fallback=True``).
 RESAMPLING = ("multinomial", "stratified", "systematic")
@@ -38,9 +38,10 @@ def check_sampler(sampler: Any, critic: Any = None) -> None:
 
 
 def check_options(n_particles: Any, ess_threshold: Any, max_tokens: Any, seed: Any, fallback: Any,
-                  json_schema: Any, resampling_method: Any, in_engine: Any) -> None:
+                  json_schema: Any, resampling_method: Any, in_engine: Any, engine_path: Any = "bursts") -> None:
     """:func:`~genlm_vlm.control.smc`'s options, for either path: a wrong type is a ``TypeError``, a count below 1
-    or an ``ess_threshold`` outside ``[0, 1]`` a ``ValueError`` (``lm.smc`` checks the rest)."""
+    or an ``ess_threshold`` outside ``[0, 1]`` a ``ValueError``, ``engine_path`` as ``lm.smc`` checks
+    it (``lm.smc`` checks the rest)."""
     check_count(n_particles, "n_particles")
     check_count(max_tokens, "max_tokens")
     if not 0.0 <= check_real(ess_threshold, "ess_threshold", "a number in [0, 1]") <= 1.0:
@@ -48,6 +49,7 @@ def check_options(n_particles: Any, ess_threshold: Any, max_tokens: Any, seed: A
     check_seed(seed, "seed")
     for name, value in (("fallback", fallback), ("json_schema", json_schema), ("in_engine", in_engine)):
         check_flag(value, name)
+    check_engine_path(engine_path)
     if not isinstance(resampling_method, str):
         raise TypeError(f"resampling_method must be a str ({', '.join(RESAMPLING)}), "
                         f"got {type(resampling_method).__name__}")

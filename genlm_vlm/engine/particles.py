@@ -11,7 +11,10 @@ this step, the run stacks them in particle order (one tensor per live particle, 
 repeated, as a burst stacks a shared row), calls ``controller.step``, checks and applies the
 decision (:class:`~genlm_vlm.smc.controller.ParticleSet`, as every runner does) and returns the
 token each group's request is forced to take: its row becomes ``-inf`` but for that token, and
-vLLM's own decode loop computes it at the next step. One SMC step is one engine step.
+vLLM's own decode loop computes it at the next step. One SMC step is one engine step. In a
+product of prompts (``BurstSpec.prompts``) each factor's contexts form their own groups
+(``Group.factor``): the run decides once every factor's groups have their rows, stacked
+factor-major and summed by :func:`~genlm_vlm.smc.controller.fold_rows` as a burst sums them.
 
 After a decision the groups regroup: the particles of an old group that took the same token (or
 are copies, after resampling, of a particle that took it) form a new group. The first new group of
@@ -56,9 +59,10 @@ Tokens = tuple[int, ...]
 class Group:
     """Particles with one context, and the request that computes its rows."""
 
-    __slots__ = ("fork", "length", "members", "rid", "row", "stale")
+    __slots__ = ("factor", "fork", "length", "members", "rid", "row", "stale")
 
-    def __init__(self, length: int, fork: tuple[str, int] | None = None) -> None:
+    def __init__(self, length: int, factor: int = 0, fork: tuple[str, int] | None = None) -> None:
+        self.factor = factor  # its prompt's index in a product of prompts (0: the prompt)
         self.length = length  # tokens in its context (prompt + every member's generated tokens)
         self.members: list[int] = []
         self.rid: str | None = None  # its request (None: it needs one)
@@ -79,7 +83,7 @@ class RequestRun(Burst):
         super().__init__(host.loop, job)
         self.host = host
         self.groups: list[Group] = []  # this step's groups (each with live members)
-        self.group_of: dict[int, Group] = {}  # live particle -> its group
+        self.group_of: list[dict[int, Group]] = []  # per factor: live particle -> its group
         self.have = 0  # groups of this step whose row arrived
         self.forced: dict[str, int] = {}  # request id -> token, decided in this apply
         self.ending: tuple[str, BaseException | None, bool] | None = None  # set inside the sampler
@@ -100,7 +104,7 @@ class RequestRun(Burst):
         try:
             n = n_particles_of(self.controller)
             self.particles = ParticleSet(self.job.ids, n, self.start_tokens, vocab_size=info.vocab_size,
-                                         max_len=info.max_model_len)
+                                         max_len=info.max_model_len, prompts=self.prompts)
         except Exception as e:  # noqa: BLE001 - the controller's (or its start's) mistake: this run only
             self._fail(e, controller=True)
             return
@@ -109,21 +113,25 @@ class RequestRun(Burst):
         if not live:
             self._finish()
             return
-        by_ctx: dict[Tokens, Group] = {}
-        for i in live:
-            ctx = ps.prefix(i)
-            g = by_ctx.get(ctx)
-            if g is None:
-                g = by_ctx[ctx] = Group(len(ctx))
-            g.members.append(i)
+        by_ctx: dict[tuple[int, Tokens], Group] = {}
+        for j, prompt in enumerate(ps.prompts):  # a product of prompts: groups of each factor's own
+            for i in live:
+                ctx = prompt + ps.generated[i]
+                g = by_ctx.get((j, ctx))
+                if g is None:
+                    g = by_ctx[(j, ctx)] = Group(len(ctx), j)
+                g.members.append(i)
         self._begin_step(list(by_ctx.values()))
         self.settle()
 
     def _begin_step(self, groups: list[Group]) -> None:
         self.groups = groups
-        self.group_of = {i: g for g in groups for i in g.members}
-        self.live = [i for g in groups for i in g.members]
-        self.live.sort()
+        self.group_of = [{} for _ in self.particles.prompts]
+        for g in groups:
+            of = self.group_of[g.factor]
+            for i in g.members:
+                of[i] = g
+        self.live = sorted(self.group_of[0])
         self.have = 0
         self.rounds += 1
 
@@ -138,11 +146,12 @@ class RequestRun(Burst):
         """Every group has its row: the controller's step, checked and applied; fills
         :attr:`forced` and prepares the next step's groups (or the run's ending). A controller
         error sets :attr:`ending` (this run fails after the step)."""
-        from ..smc.controller import Decision, check_decision
+        from ..smc.controller import Decision, check_decision, fold_rows
 
         ps = self.particles
         live, group_of = self.live, self.group_of
-        rows = torch.stack([group_of[i].row for i in live])  # type: ignore[misc]
+        # factor-major, folded as a burst folds them (fold_rows: the rows themselves for one prompt)
+        rows = fold_rows(torch.stack([of[i].row for of in group_of for i in live]), len(group_of))  # type: ignore[misc]
         t0 = time.perf_counter()
         try:
             with torch.inference_mode(False):  # as in a burst: the controller runs outside inference mode
@@ -168,15 +177,16 @@ class RequestRun(Burst):
         gen = ps.generated
         buckets: dict[tuple[int, int], Group] = {}
         children: dict[int, list[Group]] = {}
-        for i in new_live:
-            g = group_of[anc[i]]
-            tok = gen[i][-1]
-            key = (id(g), tok)
-            ng = buckets.get(key)
-            if ng is None:
-                ng = buckets[key] = Group(g.length + 1)
-                children.setdefault(id(g), []).append(ng)
-            ng.members.append(i)
+        for of in group_of:  # each factor's groups regroup on their own
+            for i in new_live:
+                g = of[anc[i]]
+                tok = gen[i][-1]
+                key = (id(g), tok)
+                ng = buckets.get(key)
+                if ng is None:
+                    ng = buckets[key] = Group(g.length + 1, g.factor)
+                    children.setdefault(id(g), []).append(ng)
+                ng.members.append(i)
         forced = self.forced
         for g in old:
             kids = children.get(id(g), ())
@@ -231,10 +241,12 @@ class RequestRun(Burst):
     def _add(self, g: Group) -> None:
         """A request for ``g``'s rows (a fork of ``g.fork`` when set)."""
         info = self.loop.info
-        ctx = self.particles.prefix(g.members[0])  # every member's: they share the context
+        ps = self.particles
+        made = ps.generated[g.members[0]]  # every member's: they share the context
+        ctx = ps.prompts[g.factor] + made
         room = info.max_model_len - len(ctx)
         if self.budget is not None:
-            room = min(room, self.budget - (len(ctx) - len(self.particles.prompt)) + 1)
+            room = min(room, self.budget - len(made) + 1)
         rid = self.host.add(self, g, ctx, max(1, room))
         g.rid = rid
         self.counts["requests"] += 1

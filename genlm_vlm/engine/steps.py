@@ -225,9 +225,12 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery, LoopStats):
     def lora_kind_busy(self, job: Job) -> bool:
         """Whether ``job`` must wait for the other kind (base model or adapter) to leave the
         engine: the core keeps them in separate steps (``split_lora``; also :mod:`.scoring`)."""
-        if not (self._split_lora and self._by_rid):
+        if not self._split_lora:
             return False
-        return (job.lora is not None) != (next(iter(self._by_rid.values())).lora is not None)
+        adapter = job.lora is not None
+        if self._by_rid and (next(iter(self._by_rid.values())).lora is not None) != adapter:
+            return True
+        return self._particles.lora_kind_running(not adapter)  # runs on the requests path
 
     def _start_rows(self, job: Job, ids: Tokens) -> None:
         """Send a request whose last row is wanted: a session chunk, a new session (a fork when
