@@ -331,3 +331,73 @@ async def test_identical_runs_started_mid_step_never_mix(llama_lm):
     _same(b, ref2)
     _same(c, await run(plain, 3, in_engine=False))
     _idle(lm)
+
+
+# ------------------------------------------------------------------ 7. a tight engine (max_num_seqs=4, 64-token budget)
+
+
+async def test_runs_in_lockstep_on_a_tight_engine_beside_each_other(llama_tight_lm):
+    """Two runs of 8 particles, a 150-token prompt prefilled in chunks, on an engine that schedules
+    at most 4 requests and 64 tokens a step: each run's groups are left out of steps (early rows,
+    re-added requests) by the other's; both stay exact, and a third run whose mask fails mid-way
+    fails alone."""
+    import numpy as np
+
+    lm = llama_tight_lm
+    long = _prompt(lm, 150)
+    short = _prompt(lm, 11)
+
+    def bad_mask(gens):
+        if any(len(g) >= 3 for g in gens):
+            raise ZeroDivisionError("mask")
+        return np.ones((len(gens), lm.vocab_size), dtype=bool)
+
+    def run(prompt, seed, in_engine=True):
+        kw = dict(engine_path="requests") if in_engine else dict(in_engine=False)
+        return lm.smc(prompt, Regex(r"[a-z ]+"), 8, 10, seed=seed, ess_threshold=0.9, temperature=1.5, **kw)
+
+    a, b, err = await asyncio.wait_for(asyncio.gather(
+        run(long, 21), run(short, 22),
+        lm.smc(short, TokenMask(bad_mask, "fails"), 5, 8, seed=1, engine_path="requests"),
+        return_exceptions=True), TIMEOUT)
+    assert isinstance(err, ZeroDivisionError), err
+    for r in (a, b):
+        assert not isinstance(r, BaseException), r
+        _on_path(r)
+    _same(a, await run(long, 21, in_engine=False))
+    _same(b, await run(short, 22, in_engine=False))
+    assert a.stats["particle_requests"]["early_rows"] + b.stats["particle_requests"]["early_rows"] > 0
+    _idle(lm)
+
+
+async def test_cancelling_a_run_in_lockstep_leaves_no_request(llama_tight_lm):
+    """A run of 12 particles on max_num_seqs=4 is cancelled while some of its groups wait for a
+    slot and others hold early rows; a run beside it finishes exactly."""
+    import numpy as np
+
+    lm = llama_tight_lm
+    prompt = _prompt(lm, 20)
+    started = threading.Event()
+    calls = {"n": 0}
+
+    def mask(gens):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            started.set()
+        allow = np.ones((len(gens), lm.vocab_size), dtype=bool)
+        allow[:, lm.tokenizer.eos_token_id] = False
+        return allow
+
+    victim = asyncio.ensure_future(lm.smc(prompt, TokenMask(mask, "no EOS"), 12, 300, seed=0, temperature=2.0,
+                                          engine_path="requests"))
+    other = asyncio.ensure_future(lm.smc(prompt, Regex(r"[a-z ]+"), 6, 8, seed=5, ess_threshold=0.9,
+                                         engine_path="requests"))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, TIMEOUT)
+    victim.cancel()
+    got = await asyncio.wait_for(other, TIMEOUT)
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    _on_path(got)
+    _same(got, await lm.smc(prompt, Regex(r"[a-z ]+"), 6, 8, seed=5, ess_threshold=0.9, in_engine=False))
+    await lm.next_token_logprobs(prompt)
+    _idle(lm)
