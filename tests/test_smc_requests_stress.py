@@ -229,27 +229,51 @@ def test_edge_cases_equal_the_reference(llama_lm, case):
     _idle(lm)
 
 
-def _outcome(call):
+async def _outcome(coro):
     try:
-        return call()
+        return await asyncio.wait_for(coro, TIMEOUT)
     except Exception as e:  # noqa: BLE001 - compared below
         return e
 
 
-def test_a_particle_reaching_max_model_len_behaves_as_in_a_burst(llama_lm):
+async def test_a_particle_reaching_max_model_len_fails_as_in_a_burst(llama_lm):
+    """``smc`` refuses prompt + max_tokens past the limit up front; a controller of its own runs
+    until a context would reach it: the same ControllerError as the burst and the reference."""
+    from test_controller_seam import Argmax
+
+    from genlm_vlm.smc import drive
+
     lm = llama_lm
     limit = ENGINE_OPTS["max_model_len"]
-    prompt = _prompt(lm, limit - 3)
-    args = dict(seed=5, ess_threshold=0.9)
-    req = _outcome(lambda: lm.smc_sync(prompt, Regex(r"[a-z ]+"), 4, 8, engine_path="requests", **args))
-    burst = _outcome(lambda: lm.smc_sync(prompt, Regex(r"[a-z ]+"), 4, 8, **args))
-    ref = _outcome(lambda: lm.smc_sync(prompt, Regex(r"[a-z ]+"), 4, 8, in_engine=False, **args))
-    if isinstance(ref, Exception):
-        assert type(req) is type(burst) is type(ref) and str(req) == str(burst), (req, burst, ref)
-    else:
-        _on_path(req)
-        _same(req, ref)
-        _same(burst, ref)
+    prompt = _prompt(lm, limit - 5)
+    req = await _outcome(lm.run_controller(prompt, Argmax(3, 100), engine_path="requests"))
+    burst = await _outcome(lm.run_controller(prompt, Argmax(3, 100)))
+    ref = await _outcome(drive(lm, prompt, Argmax(3, 100)))
+    assert isinstance(ref, Exception), ref
+    assert type(req) is type(burst) is type(ref), (req, burst, ref)
+    assert str(req) == str(burst) == str(ref)
+    assert "max_model_len" in str(req)
+    _idle(lm)
+    # one step short of the limit: every particle's last token is computed and kept
+    ok = await _outcome(lm.run_controller(prompt, Argmax(3, 4), engine_path="requests"))
+    assert ok == await drive(lm, prompt, Argmax(3, 4))
+    _idle(lm)
+
+
+@pytest.mark.parametrize("start", [
+    [[5], [5, 6], [5, 6, 7], [5, 6]],  # different lengths, two particles sharing one
+    [[], [9] * 40, [9] * 40, [9] * 39],  # past a block boundary (32) on one side, nothing on the other
+])
+async def test_start_contexts_of_different_lengths(llama_lm, start):
+    from test_controller_seam import Argmax
+
+    from genlm_vlm.smc import drive
+
+    lm = llama_lm
+    prompt = _prompt(lm, 8)
+    got = await asyncio.wait_for(lm.run_controller(prompt, Argmax(4, 6), start=start, engine_path="requests"),
+                                 TIMEOUT)
+    assert got == await drive(lm, prompt, Argmax(4, 6), start=start)
     _idle(lm)
 
 
