@@ -425,3 +425,24 @@ async def test_cancelling_a_run_in_lockstep_leaves_no_request(llama_tight_lm):
     _same(got, await lm.smc(prompt, Regex(r"[a-z ]+"), 6, 8, seed=5, ess_threshold=0.9, in_engine=False))
     await lm.next_token_logprobs(prompt)
     _idle(lm)
+
+
+async def test_runs_competing_for_a_small_kv_cache(small_kv_lm, llama_lm):
+    """Two runs on the requests path, a burst and a seeded sample share a 10-block cache: vLLM
+    preempts or holds back requests of each; every one still equals its reference, none hangs."""
+    lm = small_kv_lm
+    prompt = _prompt(lm, 40)
+    args = [dict(seed=31, ess_threshold=0.9, temperature=2.0), dict(seed=32, ess_threshold=0.0, temperature=1.5)]
+    a, b, burst, sample = await asyncio.wait_for(asyncio.gather(
+        lm.smc(prompt, Regex(r"[a-z ]+"), 6, 16, engine_path="requests", **args[0]),
+        lm.smc(prompt, Regex(r"[a-z ]+"), 5, 16, engine_path="requests", **args[1]),
+        lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=33, ess_threshold=0.9),
+        lm.sample(prompt, max_tokens=20, eos_token_ids=[], seed=34),
+    ), TIMEOUT)
+    _on_path(a)
+    _on_path(b)
+    _same(a, await llama_lm.smc(prompt, Regex(r"[a-z ]+"), 6, 16, in_engine=False, **args[0]))
+    _same(b, await llama_lm.smc(prompt, Regex(r"[a-z ]+"), 5, 16, in_engine=False, **args[1]))
+    _same(burst, await llama_lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=33, ess_threshold=0.9, in_engine=False))
+    assert sample == await llama_lm.sample(prompt, max_tokens=20, eos_token_ids=[], seed=34)
+    _idle(lm)
