@@ -123,3 +123,30 @@ async def test_cleanup_during_a_run_fails_it_and_never_hangs(fresh_lm):
     assert not isinstance(info.value, asyncio.TimeoutError)
     with pytest.raises(ClosedError):
         await lm.smc(prompt, Regex(r"[a-z ]+"), 2, 2, seed=0, engine_path="requests")
+
+
+@pytest.mark.parametrize("plen", [1, 2, 32, 64])
+def test_short_and_block_aligned_prompts_with_resampling(llama_lm, plen):
+    lm = llama_lm
+    prompt = _prompt(lm, plen)
+    args = dict(seed=15, ess_threshold=0.9, temperature=1.5)
+    req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 8, 10, in_engine=False, **args)
+    _on_path(req)
+    _same(req, ref)
+    assert req.resampled_at
+    _idle(lm)
+
+
+def test_many_particles_and_an_unseeded_run(llama_lm):
+    lm = llama_lm
+    prompt = _prompt(lm, 9)
+    args = dict(seed=16, ess_threshold=0.9)
+    req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 48, 6, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 48, 6, in_engine=False, **args)
+    _on_path(req)
+    _same(req, ref)
+    unseeded = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 6, engine_path="requests")
+    _on_path(unseeded)
+    assert len(unseeded.particles) == 6
+    _idle(lm)
