@@ -150,3 +150,59 @@ def test_many_particles_and_an_unseeded_run(llama_lm):
     _on_path(unseeded)
     assert len(unseeded.particles) == 6
     _idle(lm)
+
+
+async def test_scoring_beside_runs_on_the_requests_path(llama_lm):
+    """Prompt-logprob requests (``continuation_logprobs``) share steps with forced requests: each
+    side equals its value alone."""
+    lm = llama_lm
+    prompt = _prompt(lm, 30)
+    conts = [_prompt(lm, 40)[5:], _prompt(lm, 60)[20:]]
+    args = dict(seed=17, ess_threshold=0.9)
+    a, b, *scores = await asyncio.wait_for(asyncio.gather(
+        lm.smc(prompt, Regex(r"[a-z ]+"), 8, 10, engine_path="requests", **args),
+        lm.smc(prompt[:12], Regex(r"[a-z ]+"), 5, 10, engine_path="requests", seed=18),
+        *(lm.continuation_logprobs(prompt, c) for c in conts),
+    ), TIMEOUT)
+    _on_path(a)
+    _same(a, await lm.smc(prompt, Regex(r"[a-z ]+"), 8, 10, in_engine=False, **args))
+    _same(b, await lm.smc(prompt[:12], Regex(r"[a-z ]+"), 5, 10, in_engine=False, seed=18))
+    lm.clear_cache()
+    for c, got in zip(conts, scores, strict=True):
+        assert bool((got == await lm.continuation_logprobs(prompt, c)).all())
+    _idle(lm)
+
+
+async def test_a_forward_fault_fails_every_forced_run_and_later_runs_are_exact(fresh_lm):
+    """An exception inside the model's forward while two runs on the requests path, a burst and a
+    row await share the step: each fails or is exact (none hangs); the next runs equal their
+    reference and nothing is left running."""
+    from conftest import ForwardFault
+
+    lm = fresh_lm
+    prompt = _prompt(lm, 20)
+    lm.next_token_logprobs_sync(prompt)  # warm: the fault lands in the runs' steps
+    args = dict(seed=19, ess_threshold=0.9)
+    with ForwardFault(lm, at=4) as fault:
+        out = await asyncio.wait_for(asyncio.gather(
+            lm.smc(prompt, Regex(r"[a-z ]+"), 6, 12, engine_path="requests", **args),
+            lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, engine_path="requests", seed=20),
+            lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=21),
+            lm.next_token_logprobs([*prompt, 9, 9, 9]),
+            return_exceptions=True), TIMEOUT)
+    assert fault.fired == 1
+    refs = [await lm.smc(prompt, Regex(r"[a-z ]+"), 6, 12, in_engine=False, **args),
+            await lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, in_engine=False, seed=20),
+            await lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, in_engine=False, seed=21)]
+    failed = 0
+    for got, ref in zip(out[:3], refs, strict=True):
+        if isinstance(got, BaseException):
+            assert "injected fault" in str(got), got
+            failed += 1
+        else:
+            _same(got, ref)
+    assert failed >= 1
+    _idle(lm)
+    again = await asyncio.wait_for(lm.smc(prompt, Regex(r"[a-z ]+"), 6, 12, engine_path="requests", **args), TIMEOUT)
+    _same(again, refs[0])
+    _idle(lm)
