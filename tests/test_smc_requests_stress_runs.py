@@ -206,3 +206,19 @@ async def test_a_forward_fault_fails_every_forced_run_and_later_runs_are_exact(f
     again = await asyncio.wait_for(lm.smc(prompt, Regex(r"[a-z ]+"), 6, 12, engine_path="requests", **args), TIMEOUT)
     _same(again, refs[0])
     _idle(lm)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2])
+async def test_a_controller_whose_max_tokens_understates_its_steps(llama_lm, budget):
+    """A controller of one's own with ``max_tokens`` smaller than the steps it runs: vLLM ends its
+    requests on their own mid-run, and the run re-adds them; the result equals the reference."""
+    from test_controller_seam import Argmax
+
+    class Short(Argmax):
+        max_tokens = budget
+
+    lm = llama_lm
+    prompt = _prompt(lm, 10)
+    got = await asyncio.wait_for(lm.run_controller(prompt, Short(3, 6), engine_path="requests"), TIMEOUT)
+    assert got == await drive(lm, prompt, Short(3, 6))
+    _idle(lm)
