@@ -209,16 +209,22 @@ async def test_a_forward_fault_fails_every_forced_run_and_later_runs_are_exact(f
 
 
 @pytest.mark.parametrize("budget", [0, 1, 2])
-async def test_a_controller_whose_max_tokens_understates_its_steps(llama_lm, budget):
+async def test_a_controller_whose_max_tokens_understates_its_steps(llama_lm, budget, monkeypatch):
     """A controller of one's own with ``max_tokens`` smaller than the steps it runs: vLLM ends its
     requests on their own mid-run, and the run re-adds them; the result equals the reference."""
     from test_controller_seam import Argmax
 
+    from genlm_vlm.engine.particles import RequestRun
+
     class Short(Argmax):
         max_tokens = budget
 
+    gone = []
+    real = RequestRun.request_gone
+    monkeypatch.setattr(RequestRun, "request_gone", lambda run, rid: (gone.append(rid), real(run, rid))[1])
     lm = llama_lm
     prompt = _prompt(lm, 10)
     got = await asyncio.wait_for(lm.run_controller(prompt, Short(3, 6), engine_path="requests"), TIMEOUT)
     assert got == await drive(lm, prompt, Short(3, 6))
+    assert gone  # vLLM did end requests of the run on their own
     _idle(lm)
