@@ -22,7 +22,7 @@ Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint, non-adjacent code poin
 
 _MAX = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)
-_I, _A = re.IGNORECASE, re.ASCII
+_I, _A = int(re.IGNORECASE), int(re.ASCII)  # ints: RegexFlag operators are slow
 
 
 class CharsetError(ValueError):

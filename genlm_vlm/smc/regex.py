@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - 3.10 and older (not supported, kept fo
     import sre_constants as _C  # type: ignore[no-redef]
     import sre_parse as _sre  # type: ignore[no-redef]
 
-_S = re.DOTALL
+_S = int(re.DOTALL)
 
 #: Cap on the code-point automaton's states (``a{100000}`` is refused, not built): about three
 #: states per character test and repeat, so a pattern of up to ~60,000 repeated tests.
@@ -126,7 +126,7 @@ class _Builder:
             return a, b
         if op is _C.SUBPATTERN:
             _group, add, remove, sub = av
-            return self.seq(list(sub), (flags | add) & ~remove, at_start, at_end)
+            return self.seq(list(sub), (flags | int(add)) & ~int(remove), at_start, at_end)
         if op is _C.BRANCH:
             a, b = self.state(), self.state()
             for alt in av[1]:
@@ -217,7 +217,7 @@ def compile_regex(pattern: str) -> CharNFA:
         parsed = _sre.parse(pattern, 0)
     except re.error as e:
         raise RegexError(f"does not compile: {e} (Python's re syntax)") from None
-    flags = parsed.state.flags
+    flags = int(parsed.state.flags)
     b = _Builder(pattern)
     start, end = b.seq(list(parsed), flags, True, True)
     nfa = CharNFA(b.eps, b.arcs, start, end)
