@@ -323,12 +323,17 @@ class ByteAutomaton(Constraint):
                 h.update(np.ascontiguousarray(a.table).tobytes())
                 h.update(np.ascontiguousarray(a.accept).tobytes())
                 h.update(f"{a.start} {a.dead0}".encode())
-            else:  # a ByteNFA is its own: one table per object
-                h.update(f"nfa {a.uid}".encode())
+            else:
+                h.update(a.digest())
             self._key = h.hexdigest()
         return self._key
 
+    def dfa(self) -> LazyDFA:
+        """A fresh :class:`~.lazydfa.LazyDFA` of the automaton (nothing made past its start)."""
+        return LazyDFA(self.nfa(), self.describe())
+
     def nfa(self) -> ByteNFA:
+        """The automaton as a :class:`~.bytenfa.ByteNFA`."""
         if self._nfa is None:
             a = self.automaton
             self._nfa = a.to_nfa() if isinstance(a, ByteDFA) else a
@@ -337,8 +342,7 @@ class ByteAutomaton(Constraint):
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
         what = self.describe()
-        return bind_automaton(lambda: LazyDFA(self.nfa(), what), ("automaton", self.key()), byte_vocab, eos_ids,
-                              width, cache, what)
+        return bind_automaton(self.dfa, ("automaton", self.key()), byte_vocab, eos_ids, width, cache, what)
 
     def describe(self) -> str:
         return self.name

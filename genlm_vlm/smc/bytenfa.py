@@ -13,14 +13,16 @@ moves followed, positions that cannot reach acceptance dropped). The lazy DFA
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from .charsets import Ranges
-from .regex import CharNFA
+from .regex import CharNFA, paused_gc
 
 #: Most positions one deterministic state may hold (its set of NFA positions; the work to make a
 #: state, and its key's size, grow with it).
@@ -106,9 +108,6 @@ def _trie(key, sequences) -> ByteTrie:  # noqa: ANN001 - private helper
     return got
 
 
-_uids = itertools.count()
-
-
 class ByteNFA:
     """A nondeterministic automaton over bytes: ``eps[s]`` the states ``s`` moves to without
     input, ``arcs[s]`` its ``(trie, next state)`` arcs (the trie's byte sequences lead from ``s``
@@ -116,43 +115,68 @@ class ByteNFA:
     positions."""
 
     def __init__(self, eps: list[list[int]], arcs: Sequence[Sequence[tuple[ByteTrie, int]]], start: int,
-                 finals: Iterable[int]) -> None:
+                 finals: Iterable[int], all_live: bool = False) -> None:
         n = self.n = len(eps)
         self.eps = eps
         self.start = start
         self.finals = frozenset(finals)
-        self.arc_trie: list[ByteTrie] = []
-        self.arc_target: list[int] = []
-        self.arcs_of: list[list[int]] = [[] for _ in range(n)]
-        sources: list[int] = []
-        for s, out in enumerate(arcs):
-            for trie, t in out:
-                if trie.edges[0]:
-                    self.arcs_of[s].append(len(self.arc_trie))
-                    self.arc_trie.append(trie)
-                    self.arc_target.append(t)
-                    sources.append(s)
-        self.width = max((len(t.edges) for t in self.arc_trie), default=1)
-        self.live = self._coreachable(sources)
+        kept = [[(trie, t) for trie, t in out if trie.edges[0]] for out in arcs]
+        counts = np.fromiter(map(len, kept), dtype=np.int64, count=n)
+        flat = list(itertools.chain.from_iterable(kept))
+        self.arc_trie: list[ByteTrie] = [trie for trie, _ in flat]
+        self.arc_target: list[int] = [t for _, t in flat]
+        first = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        #: The arc numbers of state ``s``: ``range(arc_first[s], arc_first[s + 1])``.
+        self.arc_first: list[int] = first
+        self.width = max((len(t.edges) for t in set(self.arc_trie)), default=1)
         self.is_final = np.zeros(n, dtype=bool)
         self.is_final[list(self.finals)] = True
-        self.important = [bool(self.arcs_of[s]) or s in self.finals for s in range(n)]
+        self.important: list[bool] = ((counts > 0) | self.is_final).tolist()
+        if all_live:
+            self.live = [True] * n
+        else:
+            self.live = self._coreachable(np.repeat(np.arange(n), counts).tolist())
         top = n + len(self.arc_trie) * self.width
         self.dtype = np.int32 if top < 2**31 else np.int64
         self._edges: dict[int, list[tuple[int, int, int]]] = {}
-        self.uid = next(_uids)  # names this automaton in caches
+        self._digest: bytes | None = None
 
     @classmethod
     def from_chars(cls, nfa: CharNFA) -> ByteNFA:
         """The UTF-8 reading of a code point automaton (one trie per distinct code point set)."""
-        arcs = [[(utf8_trie(ranges), t) for ranges, t in out] for out in nfa.arcs]
-        return cls(nfa.eps, arcs, nfa.start, [nfa.final])
+        with paused_gc():
+            tries: dict[int, ByteTrie] = {}  # by the set's id: a repeat's copies share their sets
+            arcs = [[(tries.get(id(r)) or tries.setdefault(id(r), utf8_trie(r)), t) for r, t in out]
+                    for out in nfa.arcs]
+            return cls(nfa.eps, arcs, nfa.start, [nfa.final], nfa.all_live)
 
     @classmethod
     def from_byte_arcs(cls, eps: list[list[int]], arcs: Sequence[Sequence[tuple[int, int, int]]], start: int,
                        finals: Iterable[int]) -> ByteNFA:
         """An automaton whose arcs are byte ranges ``(low, high, next state)``."""
         return cls(eps, [[(range_trie(lo, hi), t) for lo, hi, t in out] for out in arcs], start, finals)
+
+    def digest(self) -> bytes:
+        """A digest of the automaton's structure (equal automata, equal digests)."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(repr((self.n, self.start, sorted(self.finals), self.eps, self.arc_first)).encode())
+            number: dict[int, int] = {}  # each distinct trie numbered in order of first use
+            tries: list[ByteTrie] = []
+            for t in self.arc_trie:
+                if id(t) not in number:
+                    number[id(t)] = len(tries)
+                    tries.append(t)
+            h.update(repr([number[id(t)] for t in self.arc_trie]).encode())
+            h.update(repr(self.arc_target).encode())
+            h.update(repr([t.edges for t in tries]).encode())
+            self._digest = h.digest()
+        return self._digest
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_edges"] = {}  # a cache: made again
+        return state
 
     def _coreachable(self, sources: list[int]) -> list[bool]:
         """Whether each state can reach a final state (epsilon moves and arcs, backwards)."""
@@ -178,7 +202,7 @@ class ByteNFA:
         got = self._edges.get(p)
         if got is None:
             if p < self.n:
-                got = [e for a in self.arcs_of[p] for e in self._resolve(a, 0)]
+                got = [e for a in range(self.arc_first[p], self.arc_first[p + 1]) for e in self._resolve(a, 0)]
             else:
                 a, node = divmod(p - self.n, self.width)
                 got = self._resolve(a, node)

@@ -88,6 +88,11 @@ class Regex(Constraint):
             raise ConstraintError(f"{self.describe()}{sep}{e}") from None
         self._bytes: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_bytes"] = None  # made again where it is bound
+        return state
+
     def byte_nfa(self) -> Any:
         """The pattern's :class:`~.bytenfa.ByteNFA` (its code point automaton read over UTF-8)."""
         from .bytenfa import ByteNFA

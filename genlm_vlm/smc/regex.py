@@ -21,9 +21,11 @@ alternative).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,19 @@ _S = int(re.DOTALL)
 #: Cap on the code-point automaton's states (``a{100000}`` is refused, not built): about three
 #: states per character test and repeat, so a pattern of up to ~60,000 repeated tests.
 MAX_NFA_STATES = 200_000
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused: building an automaton makes many small lists, which
+    start collections that walk every object of the process (a third of the time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class RegexError(ValueError):
@@ -71,6 +86,8 @@ class CharNFA:
     arcs: list[list[tuple[Ranges, int]]]
     start: int
     final: int
+    #: Whether every state can reach ``final`` (no empty character set in the pattern).
+    all_live: bool = False
 
     def closure(self, states: Iterable[int]) -> frozenset[int]:
         """``states`` and every state their epsilon moves reach."""
@@ -82,16 +99,39 @@ class _Builder:
         self.pattern = pattern
         self.eps: list[list[int]] = []
         self.arcs: list[list[tuple[Ranges, int]]] = []
+        self.dead_ends = False  # an empty character set (a state that cannot reach the end)
 
     def state(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
+        self.check(1)
+        self.eps.append([])
+        self.arcs.append([])
+        return len(self.eps) - 1
+
+    def check(self, more: int) -> None:
+        if len(self.eps) + more > MAX_NFA_STATES:
             raise RegexError(
                 f"its automaton passes {MAX_NFA_STATES:,} states (the limit on a pattern's size): "
                 "write a smaller repeat count, e.g. split a long {m} repeat or use * / + where any count will do"
             )
-        self.eps.append([])
-        self.arcs.append([])
-        return len(self.eps) - 1
+
+    def copies(self, sub: list[Any], flags: int, at_start: bool, at_end: bool, count: int) -> list[tuple[int, int]]:
+        """``count`` copies of the fragment of ``sub`` (entry, exit each): built once, then its
+        states copied with their numbers shifted (a long repeat costs a list copy per state)."""
+        if count <= 0:
+            return []
+        s0 = len(self.eps)
+        x, y = self.seq(sub, flags, at_start, at_end)
+        eps = [list(e) for e in self.eps[s0:]]
+        arcs = [list(a) for a in self.arcs[s0:]]
+        size = len(eps)
+        out = [(x, y)]
+        for _ in range(count - 1):
+            self.check(size)
+            off = len(self.eps) - s0
+            self.eps.extend([[t + off for t in e] for e in eps])
+            self.arcs.extend([[(r, t + off) for r, t in a] for a in arcs])
+            out.append((x + off, y + off))
+        return out
 
     def refuse(self, what: str, instead: str) -> RegexError:
         return RegexError(f"{what} is not supported (the text is matched whole, as re.fullmatch): {instead}")
@@ -123,6 +163,8 @@ class _Builder:
             a, b = self.state(), self.state()
             if chars:
                 self.arcs[a].append((chars, b))
+            else:
+                self.dead_ends = True
             return a, b
         if op is _C.SUBPATTERN:
             _group, add, remove, sub = av
@@ -138,11 +180,12 @@ class _Builder:
             lo, hi, sub = av
             once = hi is not _C.MAXREPEAT and hi <= 1
             a = cur = self.state()
-            for _ in range(lo):
-                x, y = self.seq(list(sub), flags, at_start and once, at_end and once)
+            bounded = hi is not _C.MAXREPEAT
+            parts = self.copies(list(sub), flags, at_start and once, at_end and once, hi if bounded else lo)
+            for x, y in parts[:lo]:
                 self.eps[cur].append(x)
                 cur = y
-            if hi is _C.MAXREPEAT:
+            if not bounded:
                 x, y = self.seq(list(sub), flags, False, False)
                 loop = self.state()
                 self.eps[cur].append(loop)
@@ -151,8 +194,7 @@ class _Builder:
                 cur = loop
             else:
                 end = self.state()
-                for _ in range(hi - lo):
-                    x, y = self.seq(list(sub), flags, at_start and once, at_end and once)
+                for x, y in parts[lo:]:
                     self.eps[cur].append(x)
                     self.eps[cur].append(end)
                     cur = y
@@ -219,8 +261,9 @@ def compile_regex(pattern: str) -> CharNFA:
         raise RegexError(f"does not compile: {e} (Python's re syntax)") from None
     flags = int(parsed.state.flags)
     b = _Builder(pattern)
-    start, end = b.seq(list(parsed), flags, True, True)
-    nfa = CharNFA(b.eps, b.arcs, start, end)
+    with paused_gc():
+        start, end = b.seq(list(parsed), flags, True, True)
+    nfa = CharNFA(b.eps, b.arcs, start, end, not b.dead_ends)
     with _compiled_lock:
         _compiled[pattern] = nfa
         while len(_compiled) > 256:
