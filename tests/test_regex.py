@@ -237,3 +237,54 @@ def test_dfa_cache_bound_changes_nothing() -> None:
         assert small.matches(text) == big.matches(text) == (re.fullmatch(pattern, text.decode()) is not None)
     assert small.evicted > 0 and small.bytes <= (1 << 16) + 64 * 1024
     assert big.evicted == 0
+
+
+ISSUE_48 = [r"\w{30}", r"(?:\w{1,20}\s){1,40}", r".{1000}", r"[a-z]{20000}", r"(?:a|b?){2000}",
+            r"(?:[a-z]{0,100}){0,100}", r"(a|b)*a(a|b){15}"]
+
+
+def _demo_vocab() -> tuple[list[bytes], int]:
+    from transformers import AutoTokenizer
+
+    import genlm_vlm
+    from genlm_vlm.vocab import get_byte_vocab
+
+    tok = AutoTokenizer.from_pretrained(genlm_vlm.demo_model_path())
+    special = set(tok.all_special_ids)
+    return [b"" if i in special else b for i, b in enumerate(get_byte_vocab(tok))], tok.eos_token_id
+
+
+@pytest.mark.parametrize("pattern", ISSUE_48)
+def test_large_patterns_bind_on_the_token_automaton_making_few_states(pattern: str) -> None:
+    """Issue 48's patterns (eager DFAs of thousands of states, or none at all) bind as token
+    automata on the demo model's vocabulary, making only the states the first mask walks through
+    (at most a few per token byte position), and keep to ``re.fullmatch`` on sample texts."""
+    vocab, eos = _demo_vocab()
+    bound = Regex(pattern).bind(vocab, [eos], len(vocab), {})
+    assert type(bound).__name__ == "BoundAutomaton"
+    dfa = bound.dfa
+    longest = max(map(len, vocab))
+    assert dfa.rows_made <= 2 * longest + 2 and dfa.states_made <= 400, (dfa.rows_made, dfa.states_made)
+    rng = random.Random(pattern)
+    for text in ["", "ab", "é" * 30, "word " * 3, "a" * 16, "😀" * 5]:
+        text = text + "".join(rng.choice("ab é") for _ in range(rng.randrange(3)))
+        assert dfa.matches(text.encode()) == (re.fullmatch(pattern, text) is not None), (pattern, text)
+
+
+def test_pathological_patterns_are_refused_within_bounded_memory() -> None:
+    """Past the limits a pattern is refused with a ConstraintError naming it, the limit and a way
+    out, before it takes much memory: a code point automaton past MAX_NFA_STATES when the
+    ``Regex`` is built; a deterministic state past MAX_SET positions when it is bound."""
+    import tracemalloc
+
+    vocab = _byte_vocab()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConstraintError, match=r"Regex\('\(\?:a\|b\?\)\{90000\}'\).*200,000 states.*smaller repeat"):
+            Regex(r"(?:a|b?){90000}")
+        with pytest.raises(ConstraintError, match=r"Regex\('\(\?:a\?b\?\)\{6000\}'\).*50,000 positions.*fewer nested"):
+            Regex(r"(?:a?b?){6000}").bind(vocab, [0], len(vocab), {})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 300 << 20, peak

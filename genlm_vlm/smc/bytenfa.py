@@ -26,7 +26,7 @@ from .regex import CharNFA, paused_gc
 
 #: Most positions one deterministic state may hold (its set of NFA positions; the work to make a
 #: state, and its key's size, grow with it).
-MAX_SET = 200_000
+MAX_SET = 50_000
 
 
 class TooLarge(ValueError):

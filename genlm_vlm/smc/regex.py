@@ -124,9 +124,9 @@ class _Builder:
         eps = [list(e) for e in self.eps[s0:]]
         arcs = [list(a) for a in self.arcs[s0:]]
         size = len(eps)
+        self.check(size * (count - 1))  # refused before the copies are made
         out = [(x, y)]
         for _ in range(count - 1):
-            self.check(size)
             off = len(self.eps) - s0
             self.eps.extend([[t + off for t in e] for e in eps])
             self.arcs.extend([[(r, t + off) for r, t in a] for a in arcs])
