@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import re
@@ -243,6 +244,11 @@ ISSUE_48 = [r"\w{30}", r"(?:\w{1,20}\s){1,40}", r".{1000}", r"[a-z]{20000}", r"(
             r"(?:[a-z]{0,100}){0,100}", r"(a|b)*a(a|b){15}"]
 
 
+#: Python's re backtracks exponentially on nested optional repeats: the same languages, written flat.
+FLAT = {r"(?:a|b?){2000}": r"[ab]{0,2000}", r"(?:[a-z]{0,100}){0,100}": r"[a-z]{0,10000}"}
+
+
+@functools.lru_cache(maxsize=1)
 def _demo_vocab() -> tuple[list[bytes], int]:
     from transformers import AutoTokenizer
 
@@ -268,7 +274,8 @@ def test_large_patterns_bind_on_the_token_automaton_making_few_states(pattern: s
     rng = random.Random(pattern)
     for text in ["", "ab", "é" * 30, "word " * 3, "a" * 16, "😀" * 5]:
         text = text + "".join(rng.choice("ab é") for _ in range(rng.randrange(3)))
-        assert dfa.matches(text.encode()) == (re.fullmatch(pattern, text) is not None), (pattern, text)
+        want = re.fullmatch(FLAT.get(pattern, pattern), text) is not None
+        assert dfa.matches(text.encode()) == want, (pattern, text)
 
 
 def test_pathological_patterns_are_refused_within_bounded_memory() -> None:
