@@ -108,6 +108,34 @@ def _trie(key, sequences) -> ByteTrie:  # noqa: ANN001 - private helper
     return got
 
 
+def _pass_through(eps: list[list[int]], arc_counts: np.ndarray, finals: frozenset[int]) -> list[int]:
+    """``fwd[s]``: the state an epsilon move into ``s`` may go to directly, past states that only
+    pass on (no arcs, not final, one epsilon move: a regex's automaton is two thirds such states,
+    which every closure would walk through)."""
+    n = len(eps)
+    lone = np.fromiter(map(len, eps), dtype=np.int64, count=n) == 1
+    passes = (lone & (arc_counts == 0)).tolist()
+    for f in finals:
+        passes[f] = False
+    fwd = [-1] * n
+    for s0 in range(n):
+        if fwd[s0] >= 0:
+            continue
+        path: list[int] = []
+        on: set[int] = set()
+        s = s0
+        while fwd[s] < 0 and passes[s] and s not in on:
+            on.add(s)
+            path.append(s)
+            s = eps[s][0]
+        target = fwd[s] if fwd[s] >= 0 else s  # s: a state that does something, or on an epsilon cycle
+        for p in path:
+            fwd[p] = target
+        if fwd[s] < 0:
+            fwd[s] = s
+    return fwd
+
+
 class ByteNFA:
     """A nondeterministic automaton over bytes: ``eps[s]`` the states ``s`` moves to without
     input, ``arcs[s]`` its ``(trie, next state)`` arcs (the trie's byte sequences lead from ``s``
@@ -117,11 +145,13 @@ class ByteNFA:
     def __init__(self, eps: list[list[int]], arcs: Sequence[Sequence[tuple[ByteTrie, int]]], start: int,
                  finals: Iterable[int], all_live: bool = False) -> None:
         n = self.n = len(eps)
-        self.eps = eps
-        self.start = start
         self.finals = frozenset(finals)
         kept = [[(trie, t) for trie, t in out if trie.edges[0]] for out in arcs]
         counts = np.fromiter(map(len, kept), dtype=np.int64, count=n)
+        fwd = _pass_through(eps, counts, self.finals)
+        self.eps = [list(dict.fromkeys([fwd[t] for t in e])) if e else e for e in eps]
+        self.start = fwd[start]
+        kept = [[(trie, fwd[t]) for trie, t in out] for out in kept]
         flat = list(itertools.chain.from_iterable(kept))
         self.arc_trie: list[ByteTrie] = [trie for trie, _ in flat]
         self.arc_target: list[int] = [t for _, t in flat]
