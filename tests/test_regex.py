@@ -1,16 +1,18 @@
-"""Regex means Python's ``re.fullmatch``, and its token automaton keeps xgrammar's language.
+"""Regex means Python's ``re.fullmatch``, as a token automaton over a lazy byte DFA.
 
 * Every string of up to 3 characters over an alphabet with ``\\n``, ``é``, ``ß``, ``٣``, ``_``,
   ``-`` and digits is accepted by the byte DFA exactly when ``re.fullmatch`` accepts it, for a
-  few dozen patterns; the xgrammar fallback (the EBNF translation) agrees on up to 2 characters.
-* The token automaton's masks equal the xgrammar path's on thousands of random contexts over a
-  vocabulary with multi-byte tokens, tokens that end inside a character and tokens that cross
-  several parts of the pattern.
-* Refused constructs name themselves and the way out; the mask table's cap changes nothing.
+  few dozen patterns; texts made of single-byte tokens are generated exactly when it accepts
+  them (tests/test_regex_diff.py runs thousands of generated patterns).
+* The token automaton's masks equal a token-by-token walk of the DFA on thousands of random
+  contexts over a vocabulary with multi-byte tokens, tokens that end inside a character and
+  tokens that cross several parts of the pattern, and never lead to a dead end.
+* Refused constructs name themselves and the way out; the caches' bounds change nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import re
@@ -20,8 +22,9 @@ import pytest
 
 from genlm_vlm.smc import ConstraintError, Regex
 from genlm_vlm.smc.automaton import TokenMasks
+from genlm_vlm.smc.bytenfa import utf8_sequences
 from genlm_vlm.smc.constraints import unpack_bits
-from genlm_vlm.smc.regex import compile_regex, utf8_sequences
+from genlm_vlm.smc.lazydfa import LazyDFA
 
 ALPHABET = ["a", "b", "Z", "0", "7", "_", "-", ".", " ", "\n", "é", "ß", "٣", "K", "\u212a", "😀"]
 
@@ -42,7 +45,7 @@ STRINGS3 = _strings(3)
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_byte_dfa_is_re_fullmatch(pattern: str) -> None:
-    dfa = compile_regex(pattern).byte_dfa()
+    dfa = Regex(pattern).dfa()
     wrong = [s for s in STRINGS3 if dfa.matches(s.encode()) != (re.fullmatch(pattern, s) is not None)]
     assert not wrong, f"{pattern!r} disagrees with re.fullmatch on {wrong[:5]}"
 
@@ -63,17 +66,14 @@ def _accepts(bound, data: bytes) -> bool:
 
 
 @pytest.mark.parametrize("pattern", PATTERNS[::3])
-def test_xgrammar_fallback_is_re_fullmatch(pattern: str) -> None:
-    """Past ``max_states`` the pattern runs on xgrammar as an EBNF translation: the same language."""
+def test_single_byte_tokens_generate_exactly_the_matches(pattern: str) -> None:
+    """Through masks and advances, over a vocabulary of single bytes: a text can be generated
+    (then EOS) exactly when ``re.fullmatch`` accepts it."""
     vocab = _byte_vocab()
-    fallback = Regex(pattern, max_states=2).bind(vocab, [0], len(vocab), {})
-    assert type(fallback).__name__ == "_Compiled"  # xgrammar's matcher, not the automaton
     auto = Regex(pattern).bind(vocab, [0], len(vocab), {})
     assert type(auto).__name__ == "BoundAutomaton"
     for s in _strings(2):
-        want = re.fullmatch(pattern, s) is not None
-        assert _accepts(fallback, s.encode()) == want, (pattern, s)
-        assert _accepts(auto, s.encode()) == want, (pattern, s)
+        assert _accepts(auto, s.encode()) == (re.fullmatch(pattern, s) is not None), (pattern, s)
 
 
 def _mixed_vocab(rng: random.Random) -> list[bytes]:
@@ -96,28 +96,41 @@ def _mixed_vocab(rng: random.Random) -> list[bytes]:
     return [b""] + sorted(vocab)
 
 
+def check_masks_by_walking(bound, vocab: list[bytes], width: int, rng: random.Random, walks: int,
+                           steps: int) -> int:
+    """Random walks through ``bound``'s masks: each mask equals walking every token's bytes one by
+    one in a separate DFA of the same pattern (a tiny cache: states dropped and made again), EOS
+    where that DFA accepts; no mask is empty before EOS (a dead end would mean a token was
+    allowed that no accepted text continues). Returns the contexts checked."""
+    ref = LazyDFA(bound.dfa.nfa, "reference", 1 << 16)
+    contexts = 0
+    for _ in range(walks):
+        state = bound.initial()
+        for _step in range(steps):
+            mask = unpack_bits(bound.bitmasks([state]), width)[0]
+            ref.trim()
+            want = np.zeros(width, dtype=bool)
+            want[0] = ref.accepts(state)
+            want[1:len(vocab)] = [bool(ref.step(state, t)) for t in vocab[1:]]
+            contexts += 1
+            assert np.array_equal(mask, want), np.flatnonzero(mask != want)[:10]
+            assert mask.any(), "a dead end: a token led to a state no accepted text goes through"
+            choices = np.flatnonzero(mask[1:]) + 1
+            if not len(choices):
+                break
+            t = int(rng.choice(list(choices)))
+            state = bound.advance(state, t)
+    return contexts
+
+
 @pytest.mark.parametrize("pattern", [r"[\w.-]+@[\w-]+\.(?:com|org)", r"(?:Answer: )?[٠-٩\d]+", r"(?s).{0,6}",
                                      r"(?:é|ß|ab)*\n?", r"[^\W\d_]+( [a-z]+)*"])
-def test_token_automaton_equals_xgrammar(pattern: str) -> None:
+def test_token_automaton_masks_are_the_dfa_walked_token_by_token(pattern: str) -> None:
     rng = random.Random(pattern)
     vocab = _mixed_vocab(rng)
     width = len(vocab) + 40  # padding columns past the vocabulary: never allowed
     auto = Regex(pattern).bind(vocab, [0], width, {})
-    xgr = Regex(pattern, max_states=2).bind(vocab, [0], width, {})
-    contexts = 0
-    for _ in range(250):
-        sa, sx = auto.initial(), xgr.initial()
-        for _step in range(8):
-            ma = unpack_bits(auto.bitmasks([sa]), width)[0]
-            mx = unpack_bits(xgr.bitmasks([sx]), width)[0]
-            contexts += 1
-            assert np.array_equal(ma, mx), (pattern, np.flatnonzero(ma != mx)[:10])
-            choices = np.flatnonzero(ma[1:]) + 1
-            if not len(choices):
-                break
-            t = int(rng.choice(list(choices)))
-            sa, sx = auto.advance(sa, t), xgr.advance(sx, t)
-    assert contexts >= 1000
+    assert check_masks_by_walking(auto, vocab, width, rng, 60, 8) >= 200
 
 
 def test_refusals_name_the_construct_and_the_way_out() -> None:
@@ -211,40 +224,74 @@ def test_bitmasks_on_a_device_and_counts() -> None:
     assert bool((bound.bitmasks_on([s2], len(vocab), "cpu") == bound.bitmasks_upto([s2], len(vocab))).all())
 
 
-def test_states_of_one_class_allow_the_same_tokens() -> None:
-    """Mask rows are shared by the states of one class (``classes_within`` the longest token):
-    check against walking each state on its own."""
-    from genlm_vlm.smc.automaton import TokenWalk
-
-    vocab = _mixed_vocab(random.Random(3))
-    walk = TokenWalk(vocab, [0], len(vocab))
-    for pattern in (r"[a-z ]{40}", r"(?:ab|é){3,9}\d?", r"[\w.-]+@[\w-]+\.(?:com|org)"):
-        dfa = compile_regex(pattern).byte_dfa()
-        cls = dfa.classes_within(walk.longest)
-        rows = {}
-        for s in range(dfa.n_states):
-            row = walk.allowed(dfa, s)
-            if cls[s] in rows:
-                assert np.array_equal(rows[cls[s]], row), (pattern, s)
-            rows[cls[s]] = row
-        if pattern == r"[a-z ]{40}":  # a counter: states further than the longest token from its end share one row
-            assert len(rows) <= walk.longest + 3 < dfa.n_states
+def test_dfa_cache_bound_changes_nothing() -> None:
+    """A DFA whose cache holds a handful of states (dropped and made again all the time) answers
+    as one that keeps everything; its memory stays bounded."""
+    rng = random.Random(7)
+    pattern = r"(a|b)*a(a|b){12}"
+    small = Regex(pattern).dfa()
+    small.max_bytes = 1 << 16
+    big = Regex(pattern).dfa()
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40))).encode()
+        small.trim()
+        assert small.matches(text) == big.matches(text) == (re.fullmatch(pattern, text.decode()) is not None)
+    assert small.evicted > 0 and small.bytes <= (1 << 16) + 64 * 1024
+    assert big.evicted == 0
 
 
-@pytest.mark.parametrize("list_upto", [2048, 0])
-def test_advance_walks_the_same_in_a_list_or_a_numpy_table(list_upto: int, monkeypatch) -> None:
-    """Small DFAs are walked in a Python list copy of the table, large ones in the numpy table
-    itself (a list copy would cost ~90 MB at 10,000 states): the same states either way."""
-    import genlm_vlm.smc.automaton as A
+ISSUE_48 = [r"\w{30}", r"(?:\w{1,20}\s){1,40}", r".{1000}", r"[a-z]{20000}", r"(?:a|b?){2000}",
+            r"(?:[a-z]{0,100}){0,100}", r"(a|b)*a(a|b){15}"]
 
-    monkeypatch.setattr(A, "LIST_TABLE_UPTO", list_upto)
-    vocab = _mixed_vocab(random.Random(6))
-    pattern = r"(?:é|ab|\d)+"
-    bound = Regex(pattern).bind(vocab, [0], len(vocab), {})
-    assert isinstance(bound.masks_table._table, list if list_upto else np.ndarray)
-    text = "éab12é"
-    state = bound.initial()
-    for ch in ("é", "ab", "1", "2", "é"):
-        state = bound.advance(state, vocab.index(ch.encode()))
-    dfa = compile_regex(pattern).byte_dfa()
-    assert bool(bound.masks_table.dfa.accept[state]) == dfa.matches(text.encode()) is True
+
+#: Python's re backtracks exponentially on nested optional repeats: the same languages, written flat.
+FLAT = {r"(?:a|b?){2000}": r"[ab]{0,2000}", r"(?:[a-z]{0,100}){0,100}": r"[a-z]{0,10000}"}
+
+
+@functools.lru_cache(maxsize=1)
+def _demo_vocab() -> tuple[list[bytes], int]:
+    from transformers import AutoTokenizer
+
+    import genlm_vlm
+    from genlm_vlm.vocab import get_byte_vocab
+
+    tok = AutoTokenizer.from_pretrained(genlm_vlm.demo_model_path())
+    special = set(tok.all_special_ids)
+    return [b"" if i in special else b for i, b in enumerate(get_byte_vocab(tok))], tok.eos_token_id
+
+
+@pytest.mark.parametrize("pattern", ISSUE_48)
+def test_large_patterns_bind_on_the_token_automaton_making_few_states(pattern: str) -> None:
+    """Issue 48's patterns (eager DFAs of thousands of states, or none at all) bind as token
+    automata on the demo model's vocabulary, making only the states the first mask walks through
+    (at most a few per token byte position), and keep to ``re.fullmatch`` on sample texts."""
+    vocab, eos = _demo_vocab()
+    bound = Regex(pattern).bind(vocab, [eos], len(vocab), {})
+    assert type(bound).__name__ == "BoundAutomaton"
+    dfa = bound.dfa
+    longest = max(map(len, vocab))
+    assert dfa.rows_made <= 2 * longest + 2 and dfa.states_made <= 400, (dfa.rows_made, dfa.states_made)
+    rng = random.Random(pattern)
+    for text in ["", "ab", "é" * 30, "word " * 3, "a" * 16, "😀" * 5]:
+        text = text + "".join(rng.choice("ab é") for _ in range(rng.randrange(3)))
+        want = re.fullmatch(FLAT.get(pattern, pattern), text) is not None
+        assert dfa.matches(text.encode()) == want, (pattern, text)
+
+
+def test_pathological_patterns_are_refused_within_bounded_memory() -> None:
+    """Past the limits a pattern is refused with a ConstraintError naming it, the limit and a way
+    out, before it takes much memory: a code point automaton past MAX_NFA_STATES when the
+    ``Regex`` is built; a deterministic state past MAX_SET positions when it is bound."""
+    import tracemalloc
+
+    vocab = _byte_vocab()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConstraintError, match=r"Regex\('\(\?:a\|b\?\)\{90000\}'\).*200,000 states.*smaller repeat"):
+            Regex(r"(?:a|b?){90000}")
+        with pytest.raises(ConstraintError, match=r"Regex\('\(\?:a\?b\?\)\{15000\}'\).*50,000 positions.*fewer nested"):
+            Regex(r"(?:a?b?){15000}").bind(vocab, [0], len(vocab), {})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 300 << 20, peak

@@ -25,8 +25,7 @@ def test_grammar_masks_are_filled_over_the_usable_columns_only():
     vocab, eos = _vocab()
     width = 4096
     assert fill_width(vocab, [eos], width) == len(vocab)
-    for max_states in (2, None):  # xgrammar (the pattern past its DFA cap), then the token automaton
-        _check_fill(Regex("[a-c ]{2,5}", max_states=max_states).bind(vocab, [eos], width), vocab, eos, width)
+    _check_fill(Regex("[a-c ]{2,5}").bind(vocab, [eos], width), vocab, eos, width)
 
 
 def _check_fill(bound, vocab, eos, width):

@@ -163,12 +163,11 @@ def fsa_ebnf(fsa: Any, what: str = "BoolFSA") -> str:
 
 def fsa_automaton(fsa: Any, what: str = "BoolFSA") -> Any:
     """A byte-level ``BoolFSA`` as a :class:`~genlm_vlm.smc.automaton.ByteAutomaton`: its
-    epsilon-free automaton (``.wfsa.epsremove``) determinised and minimised over bytes, the
-    language unchanged (bytes that are not UTF-8 included, as genlm-control reads them). None
-    where the DFA would pass :data:`~genlm_vlm.smc.regex.MAX_DFA_STATES` states (the EBNF
-    translation runs on xgrammar then). Raises :class:`UntranslatableError`."""
+    epsilon-free automaton (``.wfsa.epsremove``) as a byte NFA, determinised on demand as a
+    ``Regex`` is (:mod:`genlm_vlm.smc.lazydfa`), the language unchanged (bytes that are not UTF-8
+    included, as genlm-control reads them). Raises :class:`UntranslatableError`."""
     from ..smc.automaton import ByteAutomaton
-    from ..smc.regex import ByteNFA, TooManyStates
+    from ..smc.bytenfa import ByteNFA
 
     machine = _live(fsa)
     zero = machine.R.zero
@@ -200,11 +199,9 @@ def fsa_automaton(fsa: Any, what: str = "BoolFSA") -> Any:
                 seen.add(nxt)
                 todo.append(nxt)
     n = len(number) + 1
-    nfa = ByteNFA([starts] + [[] for _ in range(n - 1)], [arcs.get(i, []) for i in range(n)], 0, finals)
-    try:
-        return ByteAutomaton(nfa.dfa(), f"translated {what}")
-    except TooManyStates:
-        return None
+    nfa = ByteNFA.from_byte_arcs([starts] + [[] for _ in range(n - 1)], [arcs.get(i, []) for i in range(n)], 0,
+                                 finals)
+    return ByteAutomaton(nfa, f"translated {what}")
 
 
 # ------------------------------------------------------------------------------ BoolCFG
@@ -388,8 +385,6 @@ def condition_constraint(potential: Any, *, json_schema: bool = False) -> Any:
     if kind == "BoolFSA":
         key = content_key(potential)
         out: Any = _translation(potential, None if key is None else ("automaton", key), fsa_automaton)
-        if out is None:  # too many states for a token automaton: xgrammar on the EBNF text
-            out = TranslatedGrammar(_translation(potential, key, fsa_ebnf), "BoolFSA")
     elif kind == "BoolCFG":
         out = TranslatedGrammar(_translation(potential, content_key(potential), cfg_ebnf), "BoolCFG")
     elif is_json_schema(potential):

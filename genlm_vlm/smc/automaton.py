@@ -1,13 +1,15 @@
-"""Regular constraints as token automata: a particle's state is an integer, a mask is a gather.
+"""Regular constraints as token automata: a particle's state is a key, a mask is a gather.
 
-A :class:`~.regex.ByteDFA` (from a Python regular expression, or from genlm-control's byte
-automaton) is bound to a vocabulary here. A particle's state is the DFA state after the bytes of
-the tokens it has generated. For each state a step meets, the tokens allowed next are found
-once, by walking every text token's bytes from that state at the same time (numpy, one table
-lookup per token byte: :class:`TokenWalk`), and kept as a packed bitmask row (xgrammar's layout)
-in a table shared by every run over the same pattern and vocabulary (:class:`TokenMasks`). A
-step's bitmasks are then one ``index_select`` of that table, and advancing a particle walks its
-token's few bytes in the DFA. No grammar matcher runs per particle per step.
+A byte automaton (a :class:`~.lazydfa.LazyDFA`, made on demand from a Python regular expression,
+from genlm-control's byte automaton, or from a complete :class:`~.lazydfa.ByteDFA`) is bound to a
+vocabulary here. A particle's state is the key of the DFA state after the bytes of the tokens it
+has generated. For each state a step meets, the tokens allowed next are found once, by walking
+every text token's bytes from that state at the same time (numpy, one gather per token byte
+position, the DFA's missing rows made first: :class:`TokenWalk`), and kept as a packed bitmask
+row (xgrammar's layout) in a table shared by every run over the same pattern and vocabulary
+(:class:`TokenMasks`). A step's bitmasks are then one ``index_select`` of that table, and
+advancing a particle walks its token's few bytes in the DFA. No grammar matcher runs per particle
+per step.
 
 A token may come next in state ``s`` when it has bytes (special tokens and padding columns have
 none: never allowed), is not an EOS id, and its bytes do not lead ``s`` to the dead state; an
@@ -15,31 +17,33 @@ EOS id may come next where ``s`` accepts. So the language is exactly the DFA's: 
 allowed when its bytes are accepted, whatever the tokens it is cut into (a token may end inside a
 multi-byte character, or cross several of the pattern's parts).
 
-Memory: the table holds at most ``max_rows`` states (by default as many as fit in
-:data:`MASK_BYTES`); past that the least recently used state's row is dropped and found again
-when needed (the same bits: the result never depends on the cache).
+Memory: the mask table holds at most ``max_rows`` rows (by default as many as fit in
+:data:`MASK_BYTES`), the DFA at most its cache's bytes; past those the least recently used rows
+and states are dropped and made again when needed (the same bits: the result never depends on
+the caches). The time spent making states and rows is in the bound constraint's ``seconds`` (a
+run's ``stats["constraint_s"]``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .constraints import BoundConstraint, Constraint, ConstraintError
-from .regex import ByteDFA
+from .bytenfa import ByteNFA
+from .constraint_base import BoundConstraint, Constraint, ConstraintError
+from .lazydfa import ByteDFA, LazyDFA
 
 if TYPE_CHECKING:
     import torch
 
 #: Bytes of bitmask rows one (pattern, vocabulary) table may keep (least recently used dropped).
 MASK_BYTES = 64 << 20
-#: DFAs up to this many states are walked (advance) in a Python list copy of their table.
-LIST_TABLE_UPTO = 2048
 #: Past this many tokens still walking, a fill keeps only the live ones for the next byte.
 COMPACT_ABOVE = 8192
 
@@ -69,26 +73,26 @@ class TokenWalk:
         self.width = width
         self.words = (width + 31) // 32
 
-    def allowed(self, dfa: ByteDFA, state: int) -> np.ndarray:
-        """Bool ``[32 * words]``: the tokens that may come next in ``state``."""
-        flat = dfa.table.reshape(-1)
-        cur = np.full(len(self.ids), state * 256, dtype=np.int64)
+    def allowed(self, dfa: LazyDFA, slot: int) -> np.ndarray:
+        """Bool ``[32 * words]``: the tokens that may come next in the DFA state in ``slot``
+        (the caller holds ``dfa.lock``)."""
+        cur = np.full(len(self.ids), slot, dtype=np.int64)
         alive: np.ndarray | None = None  # positions still walking (None: all), ascending
         for col in self.columns:
             if alive is None:  # every token longer than this byte, dead or not: no bookkeeping
                 c = len(col)
-                cur[:c] = flat[cur[:c] + col] * 256
+                cur[:c] = dfa.gather(cur[:c], col)
                 if c > COMPACT_ABOVE:  # a large vocabulary: walk on with the live tokens only
                     alive = np.flatnonzero(cur[:c])
                 continue
             a = alive[: np.searchsorted(alive, len(col))]
             if not len(a):
                 break
-            cur[a] = flat[cur[a] + col[a]] * 256
+            cur[a] = dfa.gather(cur[a], col[a])
             alive = a[cur[a] != 0]
         mask = np.zeros(32 * self.words, dtype=bool)
         mask[self.ids[cur != 0]] = True
-        if dfa.accept[state]:
+        if dfa.accept[slot]:
             mask[self.eos] = True
         return mask
 
@@ -102,22 +106,15 @@ class TokenMasks:
     """The bitmask rows of one DFA over one vocabulary, filled per state on first use and kept
     (up to ``max_rows``; thread-safe: runs on several threads may share it)."""
 
-    def __init__(self, dfa: ByteDFA, walk: TokenWalk, max_rows: int | None = None) -> None:
+    def __init__(self, dfa: LazyDFA, walk: TokenWalk, max_rows: int | None = None) -> None:
         import torch
 
         self.dfa = dfa
         self.walk = walk
-        # Scalar walks (advance) index Python lists, faster than numpy scalars; a large DFA keeps
-        # its numpy table (a list copy costs ~36 bytes an entry: 90 MB at 10,000 states).
-        self._table = dfa.table.tolist() if dfa.n_states <= LIST_TABLE_UPTO else dfa.table
-        #: A state's row key: states that allow the same tokens share a row (see
-        #: :meth:`~.regex.ByteDFA.classes_within`: ``[a-z]{1000}`` has 1,001 states but, over
-        #: tokens of at most 16 bytes, 17 rows).
-        self._key = dfa.classes_within(walk.longest).tolist()
         self.max_rows = max(1, max_rows if max_rows is not None else MASK_BYTES // (4 * walk.words))
         self._rows = torch.zeros((min(64, self.max_rows), walk.words), dtype=torch.int32)
         self._counts = np.zeros(self._rows.shape[0], dtype=np.int64)
-        self._where: OrderedDict[int, int] = OrderedDict()  # row key -> row, least recently used first
+        self._where: OrderedDict[bytes, int] = OrderedDict()  # state key -> row, least recently used first
         self._free: list[int] = list(range(self._rows.shape[0] - 1, -1, -1))
         self._lock = threading.Lock()
         self.filled = 0  # rows computed (again, after an eviction)
@@ -128,24 +125,25 @@ class TokenMasks:
         self._on: dict[Any, torch.Tensor] = {}
         self._stale: dict[Any, set[int] | None] = {}
 
-    def gather(self, states: Sequence[int], words: int, device: Any = None) -> tuple[torch.Tensor, np.ndarray]:
-        """The bitmask rows of ``states`` (``int32 [len(states), words]``, a new tensor on
-        ``device``: the host by default) and the allowed-token count of each (host numpy),
-        filling rows for states met for the first time."""
+    def gather(self, states: Sequence[bytes], words: int, device: Any = None) -> tuple[torch.Tensor, np.ndarray]:
+        """The bitmask rows of ``states`` (DFA state keys; ``int32 [len(states), words]``, a new
+        tensor on ``device``: the host by default) and the allowed-token count of each (host
+        numpy), filling rows for states met for the first time."""
         import torch
 
-        key = self._key
-        keys = [key[s] for s in states]
         with self._lock:
             where = self._where
-            need = dict(zip(keys, states, strict=True))  # row key -> a state that has it
+            need = dict.fromkeys(states)
             for k in need:
                 if k in where:
                     where.move_to_end(k)
-            for k, s in need.items():
-                if k not in where:
-                    self._fill(k, s, need)
-            idx = [where[k] for k in keys]
+            missing = [k for k in need if k not in where]
+            if missing:
+                with self.dfa.lock:
+                    self.dfa.trim()
+                    for k in missing:
+                        self._fill(k, need)
+            idx = [where[k] for k in states]
             table = self._rows if device is None else self._table_on(torch.device(device))
             rows = table if words >= table.shape[1] else table[:, :words]
             at = torch.tensor(idx, dtype=torch.int64)
@@ -172,7 +170,7 @@ class TokenMasks:
         self._stale[device] = set()
         return copy
 
-    def _fill(self, key: int, state: int, keep: dict[int, int]) -> None:
+    def _fill(self, key: bytes, keep: dict[bytes, None]) -> None:
         import torch
 
         if not self._free:
@@ -194,7 +192,10 @@ class TokenMasks:
                 self._free.append(self._where.pop(victim))
                 self.evicted += 1
         row = self._free.pop()
-        mask = self.walk.allowed(self.dfa, state)
+        if key:
+            mask = self.walk.allowed(self.dfa, self.dfa.slot(key))
+        else:  # the dead state: nothing
+            mask = np.zeros(32 * self.walk.words, dtype=bool)
         self._rows[row] = torch.from_numpy(_pack_row(mask))
         self._counts[row] = int(mask.sum())
         self._where[key] = row
@@ -203,22 +204,15 @@ class TokenMasks:
             if stale is not None:
                 stale.add(row)
 
-    def step(self, state: int, data: bytes) -> int:
-        """The DFA state after ``data`` from ``state`` (0: dead)."""
-        table = self._table
-        for byte in data:
-            state = int(table[state][byte])
-            if not state:
-                return 0
-        return state
-
 
 class BoundAutomaton(BoundConstraint):
-    """A byte DFA bound to a vocabulary (see the module docstring); a state is an ``int``. One
-    per SMC run (its :attr:`seconds` are the run's); the mask table is shared."""
+    """A byte automaton bound to a vocabulary (see the module docstring); a state is a DFA state
+    key (``bytes``, ``b""`` dead). One per SMC run (its :attr:`seconds` are the run's: masks,
+    advances, and the states and rows they made); the mask table is shared."""
 
     def __init__(self, masks: TokenMasks, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], what: str) -> None:
         self.masks_table = masks
+        self.dfa = masks.dfa
         self.width = masks.walk.width
         self._vocab = byte_vocab
         self._eos = frozenset(int(e) for e in eos_ids)
@@ -226,16 +220,16 @@ class BoundAutomaton(BoundConstraint):
         self.seconds = 0.0
         self.last_counts: np.ndarray | None = None
 
-    def initial(self) -> int:
-        return self.masks_table.dfa.start
+    def initial(self) -> bytes:
+        return self.dfa.start
 
-    def bitmasks(self, states: Sequence[int]) -> torch.Tensor:
+    def bitmasks(self, states: Sequence[bytes]) -> torch.Tensor:
         return self.bitmasks_upto(states, self.width)
 
-    def bitmasks_upto(self, states: Sequence[int], width: int) -> torch.Tensor:
+    def bitmasks_upto(self, states: Sequence[bytes], width: int) -> torch.Tensor:
         return self.bitmasks_on(states, width, None)
 
-    def bitmasks_on(self, states: Sequence[int], width: int, device: Any) -> torch.Tensor:
+    def bitmasks_on(self, states: Sequence[bytes], width: int, device: Any) -> torch.Tensor:
         """Gathered on ``device`` from the table's copy there (see :meth:`BoundConstraint.bitmasks_on`)."""
         t0 = time.perf_counter()
         words = max(1, (int(width) + 31) // 32)
@@ -243,55 +237,61 @@ class BoundAutomaton(BoundConstraint):
         self.seconds += time.perf_counter() - t0
         return bits
 
-    def advance(self, state: int, token: int) -> int:
+    def advance(self, state: bytes, token: int) -> bytes:
         return self.advance_many((state,), (token,))[0]
 
-    def advance_many(self, states: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    def advance_many(self, states: Sequence[bytes], tokens: Sequence[int]) -> list[bytes]:
         t0 = time.perf_counter()
         out = []
-        vocab, step, eos = self._vocab, self.masks_table.step, self._eos
-        accept = self.masks_table.dfa.accept
-        for state, token in zip(states, tokens, strict=True):
-            t = int(token)
-            if t in eos and state and accept[state]:
-                out.append(0)  # the text ended: nothing may follow
-                continue
-            data = vocab[t] if 0 <= t < min(len(vocab), self.width) and t not in eos else b""
-            nxt = step(state, data) if data and state else 0
-            if not nxt:
-                raise ValueError(f"{self.what}: token {t} is not allowed here (the mask allowed it?)")
-            out.append(nxt)
+        vocab, dfa, eos = self._vocab, self.dfa, self._eos
+        n = min(len(vocab), self.width)
+        with dfa.lock:
+            dfa.trim()
+            for state, token in zip(states, tokens, strict=True):
+                t = int(token)
+                if t in eos and state and dfa.accepts(state):
+                    out.append(b"")  # the text ended: nothing may follow
+                    continue
+                data = vocab[t] if 0 <= t < n and t not in eos else b""
+                nxt = dfa.step(state, data) if data and state else b""
+                if not nxt:
+                    raise ValueError(f"{self.what}: token {t} is not allowed here (the mask allowed it?)")
+                out.append(nxt)
         self.seconds += time.perf_counter() - t0
         return out
 
-    def copy(self, state: int) -> int:
+    def copy(self, state: bytes) -> bytes:
         return state
 
 
-def bind_dfa(dfa: ByteDFA, key: Any, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
-             cache: dict[Any, Any] | None, what: str) -> BoundAutomaton:
-    """``dfa`` bound to a vocabulary: its mask table is kept in ``cache`` under ``key`` (the
-    :data:`TABLES` bound last per cache), the vocabulary's :class:`TokenWalk` once per EOS ids and
-    width. Raises :class:`~.constraints.ConstraintError` where no token can start a text."""
+def bind_automaton(make: Callable[[], LazyDFA], key: Any, byte_vocab: Sequence[bytes], eos_ids: Sequence[int],
+                   width: int, cache: dict[Any, Any] | None, what: str) -> BoundAutomaton:
+    """The automaton ``make()`` builds, bound to a vocabulary: its mask table (and the DFA under
+    it) is kept in ``cache`` under ``key`` (the :data:`TABLES` bound last per cache), the
+    vocabulary's :class:`TokenWalk` once per EOS ids and width. Raises
+    :class:`~.constraint_base.ConstraintError` where no token can start a text."""
     if not eos_ids:
         raise ConstraintError("the model has no EOS token id: give eos_token_ids= to smc()")
     eos = tuple(int(e) for e in eos_ids)
     cache = {} if cache is None else cache
     tables = cache.setdefault("dfa-masks", OrderedDict())  # key -> TokenMasks, least recently bound first
     full = (key, eos, width)
+    t0 = time.perf_counter()
     with _tables_lock:
         masks = tables.get(full)
         if masks is None:
             walk = cache.get(("token-walk", eos, width))
             if walk is None:
                 walk = cache[("token-walk", eos, width)] = TokenWalk(byte_vocab, eos, width)
-            masks = tables[full] = TokenMasks(dfa, walk)
+            masks = tables[full] = TokenMasks(make(), walk)
             while len(tables) > TABLES:
                 tables.popitem(last=False)
         tables.move_to_end(full)
     bound = BoundAutomaton(masks, byte_vocab, eos, what)
     if not bool(bound.bitmasks([bound.initial()]).any()):
         raise ConstraintError(f"{what}: no token of this vocabulary can start a match (empty language)")
+    #: Seconds the bind took (the NFA's reading, the start state, the first mask row).
+    bound.bind_seconds = time.perf_counter() - t0
     bound.seconds = 0.0
     return bound
 
@@ -302,31 +302,47 @@ _tables_lock = threading.Lock()
 
 
 class ByteAutomaton(Constraint):
-    """Texts whose bytes ``dfa`` (a :class:`~.regex.ByteDFA`) accepts, then EOS: a byte-level
-    automaton as a token automaton (see the module docstring). ``name`` names it in messages."""
+    """Texts whose bytes ``automaton`` accepts, then EOS: a byte-level automaton as a token
+    automaton (see the module docstring). ``automaton``: a complete :class:`~.lazydfa.ByteDFA`,
+    or a :class:`~.bytenfa.ByteNFA` (determinised on demand). ``name`` names it in messages."""
 
-    def __init__(self, dfa: ByteDFA, name: str = "ByteAutomaton") -> None:
-        if not isinstance(dfa, ByteDFA):
-            raise TypeError(f"ByteAutomaton needs a ByteDFA, got {type(dfa).__name__}")
-        self.dfa = dfa
+    def __init__(self, automaton: ByteDFA | ByteNFA, name: str = "ByteAutomaton") -> None:
+        if not isinstance(automaton, ByteDFA | ByteNFA):
+            raise TypeError(f"ByteAutomaton needs a ByteDFA or a ByteNFA, got {type(automaton).__name__}")
+        self.automaton = automaton
         self.name = name
         self._key: str | None = None
+        self._nfa: ByteNFA | None = None
 
     def key(self) -> str:
         """A digest of the automaton (equal automata, equal keys: their mask tables are shared)."""
         if self._key is None:
-            import hashlib
-
             h = hashlib.blake2b(digest_size=16)
-            h.update(np.ascontiguousarray(self.dfa.table).tobytes())
-            h.update(np.ascontiguousarray(self.dfa.accept).tobytes())
-            h.update(str(self.dfa.start).encode())
+            a = self.automaton
+            if isinstance(a, ByteDFA):
+                h.update(np.ascontiguousarray(a.table).tobytes())
+                h.update(np.ascontiguousarray(a.accept).tobytes())
+                h.update(f"{a.start} {a.dead0}".encode())
+            else:
+                h.update(a.digest())
             self._key = h.hexdigest()
         return self._key
 
+    def dfa(self) -> LazyDFA:
+        """A fresh :class:`~.lazydfa.LazyDFA` of the automaton (nothing made past its start)."""
+        return LazyDFA(self.nfa(), self.describe())
+
+    def nfa(self) -> ByteNFA:
+        """The automaton as a :class:`~.bytenfa.ByteNFA`."""
+        if self._nfa is None:
+            a = self.automaton
+            self._nfa = a.to_nfa() if isinstance(a, ByteDFA) else a
+        return self._nfa
+
     def bind(self, byte_vocab: Sequence[bytes], eos_ids: Sequence[int], width: int,
              cache: dict[Any, Any] | None = None) -> BoundConstraint:
-        return bind_dfa(self.dfa, ("dfa", self.key()), byte_vocab, eos_ids, width, cache, self.describe())
+        what = self.describe()
+        return bind_automaton(self.dfa, ("automaton", self.key()), byte_vocab, eos_ids, width, cache, what)
 
     def describe(self) -> str:
         return self.name

@@ -1,0 +1,101 @@
+"""Bind time and memory of `Regex` patterns (issue 48), against another checkout of the package.
+
+Each (checkout, pattern) runs in a fresh process: import the package from the checkout, read the
+vocabulary, warm the Unicode class tables (`\\w`, `\\s`, `\\d`: read off `re` once per process),
+then time `Regex(pattern)` and `.bind(...)` (the first mask included) and read the peak RSS added
+(the peak RSS, reset just before, minus the RSS before). The checkouts alternate per pattern. A process past
+`--timeout` seconds or `--mem-mb` of address space is reported as such.
+
+    .venv/bin/python benchmarks/bench_regex_bind.py --vocab demo --vocab 32k --against /path/to/old/checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+PATTERNS = [r"\w{30}", r"(?:\w{1,20}\s){1,40}", r".{1000}", r"[a-z]{20000}", r"(?:a|b?){2000}",
+            r"(?:[a-z]{0,100}){0,100}", r"(a|b)*a(a|b){15}", r"[a-z ]+"]
+
+CHILD = r"""
+import json, resource, sys, time
+root, pattern, vocab_kind, mem_mb = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if mem_mb:
+    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
+sys.path.insert(0, root)
+from transformers import AutoTokenizer
+import genlm_vlm
+from genlm_vlm.smc import Regex
+from genlm_vlm.vocab import get_byte_vocab
+if vocab_kind == "demo":
+    path = genlm_vlm.demo_model_path()
+else:
+    from genlm_vlm.testing import tiny_model_path
+    path = str(tiny_model_path("llama-32k"))
+tok = AutoTokenizer.from_pretrained(path)
+special = set(tok.all_special_ids)
+vocab = [b"" if i in special else b for i, b in enumerate(get_byte_vocab(tok))]
+eos = [tok.eos_token_id]
+cache = {}  # the model's bind cache: the vocabulary's walk is laid out once per model
+Regex(r"\w\s\d[a-z]").bind(vocab, eos, len(vocab), cache)  # class tables and the vocabulary walk, once
+def rss(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(field))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak RSS (VmHWM) starts again from the RSS now
+before = rss("VmRSS:")
+t0 = time.perf_counter()
+r = Regex(pattern)
+t1 = time.perf_counter()
+bound = r.bind(vocab, eos, len(vocab), cache)
+t2 = time.perf_counter()
+peak = rss("VmHWM:")
+print(json.dumps({"compile_s": t1 - t0, "bind_s": t2 - t1, "added_mb": max(0, peak - before) / 2**20,
+                  "engine": type(bound).__name__, "vocab": len(vocab)}))
+"""
+
+
+def run(root: str, pattern: str, vocab: str, timeout: float, mem_mb: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=root)
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD, root, pattern, vocab, str(mem_mb)], env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer in {timeout:.0f} s"}
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": last[:90]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", action="append", choices=["demo", "32k"], help="vocabularies (default: demo)")
+    ap.add_argument("--against", default=None, help="another checkout's root (e.g. the eager build)")
+    ap.add_argument("--pattern", action="append", help="patterns (default: issue 48's)")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--mem-mb", type=int, default=6144, help="address-space cap per process (0: none)")
+    args = ap.parse_args()
+    roots = {"this": here} | ({"against": os.path.abspath(args.against)} if args.against else {})
+    with open("/proc/loadavg") as f:
+        print(f"load average at start: {f.read().split()[:3]}")
+    print(f"{'vocab':6} {'pattern':26} {'build':8} {'compile':>9} {'bind':>9} {'added':>8}  engine")
+    for vocab in args.vocab or ["demo"]:
+        for pattern in args.pattern or PATTERNS:
+            for name, root in roots.items():
+                got = run(root, pattern, vocab, args.timeout, args.mem_mb)
+                if "error" in got:
+                    print(f"{vocab:6} {pattern[:26]:26} {name:8} {got['error']}", flush=True)
+                    continue
+                print(f"{vocab:6} {pattern[:26]:26} {name:8} {1e3 * got['compile_s']:7.1f}ms {1e3 * got['bind_s']:7.1f}ms "
+                      f"{got['added_mb']:6.1f}MB  {got['engine']}", flush=True)
+    with open("/proc/loadavg") as f:
+        print(f"load average at end: {f.read().split()[:3]}")
+
+
+if __name__ == "__main__":
+    main()
