@@ -146,6 +146,23 @@ def test_check_cell_names_missing_work_and_different_particles():
     assert bad and "7 rows returned, 8 asked" in bad[0]
 
 
+def test_the_requests_path_adds_the_bursts_lane_and_its_checks():
+    cell = plan(["smc"], [4], 8, "regex", "requests")[0]
+    labels = [lane.label for lane in cell.lanes]
+    assert labels[:2] == ["lm.smc", "lm.smc (bursts)"]
+    assert cell.lanes[0].kwargs["engine_path"] == "requests"
+    assert "engine_path" not in cell.lanes[1].kwargs  # the default path
+    assert [lane.label for lane in plan(["smc"], [4], 8, "regex")[0].lanes][:2] == ["lm.smc", "python reference"]
+    ok = {"wall_s": 1.0, "particle_steps": 32, "particles": 4, "fingerprint": "x", "engine_path": "requests"}
+    runs = {"lm.smc": [{**ok, "engine_path": "bursts", "fallback": "a reason"}],
+            "lm.smc (bursts)": [{**ok, "fingerprint": "z", "engine_path": "bursts"}],
+            "python reference": [ok], "vllm decode": [ok], "vllm structured": [ok]}
+    problems = runner.check_cell(cell, runs, {"vllm decode": {"tokens_asked": 8}})
+    assert any("asked for engine_path='requests'" in p and "a reason" in p for p in problems)
+    assert any("lm.smc (bursts) and the Python reference drew different" in p for p in problems)
+    assert not any(p.startswith("smc N=4 rep 1: lm.smc and") for p in problems)
+
+
 def test_plan_and_inputs():
     assert processes_for(["smc"]) == ["genlm_vlm", "vllm"]
     assert processes_for(["control"]) == ["genlm_vlm"]

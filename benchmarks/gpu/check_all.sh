@@ -11,7 +11,7 @@
 #    this script's start, default 570): the environment, the controller step on CUDA, the
 #    Qwen3-0.6B-shaped model (random weights, built here), rows against transformers float32
 #    under both runners, then `python -m genlm_vlm bench` under both runners with CUDA graphs and
-#    eager. A task whose estimate no longer fits ends this run with "RESUME": run the same
+#    eager, and lm.smc's experimental requests path (--engine-path requests) under both runners. A task whose estimate no longer fits ends this run with "RESUME": run the same
 #    command again. State lives in $GENLM_CHECK_STATE (default /tmp/genlm_gpu_check); after every
 #    task each finished task's files are copied to $OUT/<task>/ with summary.txt. "ALL DONE":
 #    finished. --no-kit: vLLM is importable already (e.g. pip install genlm-vlm[gpu]).
@@ -56,6 +56,10 @@ mkdir -p "$STATE" "$OUT"
 
 SHAPE=qwen3-0.6b
 BENCH=(-m genlm_vlm bench --model-shape "$SHAPE" --workloads smc rows --n 64 256 1024 --reps 3 --no-progress --overwrite)
+# lm.smc(engine_path="requests") against the default path, vLLM decode and structured outputs, every
+# particle live (no resampling); the requests path needs synchronous scheduling, and every system
+# gets the same option.
+SMC_REQ=(-m genlm_vlm bench --model-shape "$SHAPE" --workloads smc --constraint steady --engine-path requests --n 64 256 1024 --max-tokens 48 --reps 3 --dtype bfloat16 --engine-opts async_scheduling=false --no-progress --overwrite)
 # name | estimated seconds | VLLM_USE_V2_MODEL_RUNNER ("" = vLLM's choice) | python arguments (DIR: the task's folder)
 TASKS=(
   "env|10||-c import genlm_vlm.bench.systems as s, torch, vllm, json; print(json.dumps({'torch': torch.__version__, 'vllm': vllm.__version__, 'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))"
@@ -66,6 +70,8 @@ TASKS=(
   "rows-v2-bf16|120|1|benchmarks/gpu/rows_check.py --model-shape $SHAPE --dtype bfloat16 --atol 0.3 --out DIR"
   "bench-v2-graphs|420|1|${BENCH[*]} --dtype bfloat16 --out DIR"
   "bench-v1-graphs|420|0|${BENCH[*]} --dtype bfloat16 --out DIR"
+  "smc-requests-v2|420|1|${SMC_REQ[*]} --out DIR"
+  "smc-requests-v1|420|0|${SMC_REQ[*]} --out DIR"
   "bench-v2-eager|420|1|${BENCH[*]} --dtype bfloat16 --engine-opts enforce_eager=true --out DIR"
   "bench-v1-eager|420|0|${BENCH[*]} --dtype bfloat16 --engine-opts enforce_eager=true --out DIR"
   "bench-more|420|1|-m genlm_vlm bench --model-shape $SHAPE --workloads scoring lm-eval control --n 64 256 --reps 3 --dtype bfloat16 --no-progress --overwrite --out DIR"

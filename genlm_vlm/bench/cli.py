@@ -23,7 +23,7 @@ from ..cli import (
     resolve_model_arg,
     verbosity_of,
 )
-from .workloads import CONSTRAINTS, WORKLOADS
+from .workloads import CONSTRAINTS, ENGINE_PATHS, WORKLOADS
 
 #: ``--model-shape``: random-weight models of known shapes, built locally (no download) by
 #: ``genlm_vlm.testing.tiny_model_path`` into ``$GENLM_VLM_CACHE`` (default ~/.cache/genlm_vlm).
@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help=f"SMC steps T (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--reps", type=int, help=f"timed repetitions per system (default {DEFAULT_REPS})")
     p.add_argument("--constraint", choices=CONSTRAINTS, default="regex", help="the smc workload's constraint")
+    p.add_argument("--engine-path", choices=ENGINE_PATHS, default="bursts",
+                   help="lm.smc's engine_path in the smc workload (requests: experimental; the default "
+                        "path, bursts, runs beside it as 'lm.smc (bursts)')")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="the engines' dtype")
     p.add_argument("--engine-opts", nargs="+", default=[], metavar="KEY=VALUE", help=ENGINE_OPT_HELP)
     p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE", help=argparse.SUPPRESS)
@@ -169,7 +172,8 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
         model = cfg["model"] or demo_model_path()
     opts = engine_options(model, cfg["engine_opts"])
     conf = runner.Config(model=model, workloads=cfg["workloads"], ns=cfg["ns"], max_tokens=cfg["max_tokens"],
-                         reps=cfg["reps"], constraint=args.constraint, engine_opts=opts, out=cfg["out"])
+                         reps=cfg["reps"], constraint=args.constraint, engine_opts=opts, out=cfg["out"],
+                         engine_path=args.engine_path)
     cfg["out"].mkdir(parents=True, exist_ok=True)
     try:
         result = runner.run(conf, progress=not (args.no_progress or args.quiet),
@@ -179,7 +183,8 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
         return 1
     result.update(model=model, engine_opts=opts, genlm_vlm=__version__, argv=sys.argv[1:],
                   config={"workloads": cfg["workloads"], "n": cfg["ns"], "max_tokens": cfg["max_tokens"],
-                          "reps": cfg["reps"], "constraint": args.constraint, "skipped": cfg["skipped"]})
+                          "reps": cfg["reps"], "constraint": args.constraint, "engine_path": args.engine_path,
+                          "skipped": cfg["skipped"]})
     files = report.write(result, cfg["out"])
     if not args.quiet:
         print(report.header(result))

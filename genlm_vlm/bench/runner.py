@@ -27,6 +27,7 @@ class Config:
     constraint: str
     engine_opts: dict[str, Any]
     out: pathlib.Path
+    engine_path: str = "bursts"
 
 
 def _drop_bulk(res: dict[str, Any]) -> dict[str, Any]:
@@ -52,10 +53,16 @@ def check_cell(cell: Cell, runs: dict[str, list[dict[str, Any]]], warm: dict[str
             if not r.get(cell.work_key):
                 problems.append(f"{where}: no work counted ({cell.work_key} = {r.get(cell.work_key)})")
     if cell.workload == "smc":
-        for i, (a, b) in enumerate(zip(runs["lm.smc"], runs["python reference"], strict=True), 1):
-            if a["fingerprint"] != b["fingerprint"]:
-                problems.append(f"smc N={n} rep {i}: lm.smc and the Python reference drew different "
-                                "particles with the same seed")
+        path = cell.lanes[0].kwargs.get("engine_path", "bursts")
+        for label in [x for x in ("lm.smc", "lm.smc (bursts)") if x in runs]:
+            for i, (a, b) in enumerate(zip(runs[label], runs["python reference"], strict=True), 1):
+                if a["fingerprint"] != b["fingerprint"]:
+                    problems.append(f"smc N={n} rep {i}: {label} and the Python reference drew different "
+                                    "particles with the same seed")
+        for i, r in enumerate(runs["lm.smc"], 1):
+            if r.get("engine_path", path) != path:
+                problems.append(f"smc N={n} rep {i}: lm.smc asked for engine_path={path!r} and ran on "
+                                f"{r.get('engine_path')!r} ({r.get('fallback')})")
         want = n * warm["vllm decode"]["tokens_asked"]
         for r in runs["vllm decode"]:
             if r["particle_steps"] != want:
@@ -108,7 +115,7 @@ def run(cfg: Config, progress: bool = True, log: Callable[[str], None] = print) 
     """Run every cell of ``cfg``; returns the result object written as JSON (see report)."""
     from tqdm import tqdm
 
-    cells = plan(cfg.workloads, cfg.ns, cfg.max_tokens, cfg.constraint)
+    cells = plan(cfg.workloads, cfg.ns, cfg.max_tokens, cfg.constraint, cfg.engine_path)
     names = processes_for(cfg.workloads)
     spec = {"model": cfg.model, "engine_opts": cfg.engine_opts}
     logs = cfg.out / "logs"

@@ -21,6 +21,8 @@ WORKLOADS = ("rows", "smc", "scoring", "lm-eval", "control")
 #: ``steady``: ``[a-z ]{1000}`` with ``ess_threshold=0``: no particle can finish within T and none is
 #: resampled, so every step has N live particles (the decode comparison is then like for like).
 CONSTRAINTS = ("regex", "steady", "json", "grammar")
+#: ``lm.smc``'s ``engine_path`` in the ``smc`` workload (``--engine-path``).
+ENGINE_PATHS = ("bursts", "requests")
 
 SMC_PROMPT = ('"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps '
               "over the lazy dog and")
@@ -65,16 +67,19 @@ def processes_for(workloads: list[str]) -> list[str]:
     return need
 
 
-def plan(workloads: list[str], ns: list[int], max_tokens: int, constraint: str) -> list[Cell]:
-    """The cells to run, workload by workload (in :data:`WORKLOADS` order), N ascending."""
+def plan(workloads: list[str], ns: list[int], max_tokens: int, constraint: str,
+         engine_path: str = "bursts") -> list[Cell]:
+    """The cells to run, workload by workload (in :data:`WORKLOADS` order), N ascending.
+    ``engine_path``: the path ``lm.smc`` takes in the ``smc`` workload (``"requests"`` adds a lane
+    with the default path, ``"lm.smc (bursts)"``, so the two are compared in the same run)."""
     cells = []
     for w in [w for w in WORKLOADS if w in workloads]:
         for n in sorted(ns):
-            cells.append(_cell(w, n, max_tokens, constraint))
+            cells.append(_cell(w, n, max_tokens, constraint, engine_path))
     return cells
 
 
-def _cell(w: str, n: int, t: int, constraint: str) -> Cell:
+def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "bursts") -> Cell:
     if w == "rows":
         kw = {"n": n, "rounds": ROWS_ROUNDS}
         return Cell(w, n, (Lane("genlm_vlm awaits", "genlm_vlm", "rows", kw),
@@ -82,7 +87,8 @@ def _cell(w: str, n: int, t: int, constraint: str) -> Cell:
                            Lane("vllm logprobs=-1", "vllm", "rows", kw)), "rows", "rows/s")
     if w == "smc":
         kw = {"n": n, "t": t, "constraint": constraint}
-        return Cell(w, n, (Lane("lm.smc", "genlm_vlm", "smc", kw),
+        bursts = (Lane("lm.smc (bursts)", "genlm_vlm", "smc", kw),) if engine_path != "bursts" else ()
+        return Cell(w, n, (Lane("lm.smc", "genlm_vlm", "smc", {**kw, "engine_path": engine_path}), *bursts,
                            Lane("python reference", "genlm_vlm", "smc", {**kw, "in_engine": False}),
                            Lane("vllm decode", "vllm", "decode", {"n": n}),
                            Lane("vllm structured", "vllm", "structured", kw)), "particle_steps", "particle-steps/s")
