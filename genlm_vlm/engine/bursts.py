@@ -125,9 +125,16 @@ class Burst:
     def start(self) -> None:
         """Check the controller's ``n_particles`` and the run's ``start`` (a mistake fails this
         run: :class:`~genlm_vlm.smc.controller.ControllerError`), then queue the first round."""
-        from ..smc.controller import ParticleSet, fold_rows, n_particles_of
+        from ..smc.controller import fold_rows
 
         self.fold = fold_rows
+        if self._make_particles():
+            self._round()
+
+    def _make_particles(self) -> bool:
+        """The run's :class:`~genlm_vlm.smc.controller.ParticleSet`, from the controller's
+        ``n_particles`` and the run's ``start``, checked; a mistake fails this run (False)."""
+        from ..smc.controller import ParticleSet, n_particles_of
 
         info = self.loop.info
         try:
@@ -136,8 +143,8 @@ class Burst:
                                          max_len=info.max_model_len, prompts=self.prompts)
         except Exception as e:  # noqa: BLE001 - the controller's (or its start's) mistake: this run only
             self._fail(e, controller=True)
-            return
-        self._round()
+            return False
+        return True
 
     def _round(self) -> None:
         """Queue the live particles' row jobs (distinct prefixes only), or finish."""

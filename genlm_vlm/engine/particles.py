@@ -98,15 +98,7 @@ class RequestRun(Burst):
     def start(self) -> None:
         """Check ``n_particles`` and ``start`` (a mistake fails this run), then one group per
         distinct context, each a new request."""
-        from ..smc.controller import ParticleSet, n_particles_of
-
-        info = self.loop.info
-        try:
-            n = n_particles_of(self.controller)
-            self.particles = ParticleSet(self.job.ids, n, self.start_tokens, vocab_size=info.vocab_size,
-                                         max_len=info.max_model_len, prompts=self.prompts)
-        except Exception as e:  # noqa: BLE001 - the controller's (or its start's) mistake: this run only
-            self._fail(e, controller=True)
+        if not self._make_particles():
             return
         ps = self.particles
         live = ps.live()
