@@ -160,3 +160,27 @@ def test_a_critic_and_an_allof_constraint_are_byte_identical_on_the_requests_pat
     plain = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", **args)
     judged = lm.smc_sync(prompt, make(), 12, 12, engine_path="requests", critic=critic, **args)
     assert plain.posterior != judged.posterior  # the critic reweighted the same texts
+
+
+def test_idle_sessions_make_room_for_the_runs_requests(model_paths):
+    """Idle sessions hold slots of ``max_num_seqs`` (vLLM parks them and counts them): the step
+    loop's eviction counts the requests path's requests too, so a run's groups are never left out
+    of a step by other callers' idle sessions (before: every step had early rows and re-adds)."""
+    from conftest import ENGINE_OPTS
+
+    from genlm_vlm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM.from_name(model_paths["llama"], {**ENGINE_OPTS, "max_num_seqs": 16})
+    try:
+        prompt = _prompt(lm)
+        lm.batch_next_token_logprobs_sync([[5 + i, 7, 9, 11] for i in range(14)])  # 14 idle sessions
+        assert lm.stats["sessions"]["idle"] == 14
+        args = dict(seed=3, ess_threshold=0.0)
+        req = lm.smc_sync(prompt, Regex(r"[a-z ]{100}"), 8, 10, engine_path="requests", **args)
+        ref = lm.smc_sync(prompt, Regex(r"[a-z ]{100}"), 8, 10, in_engine=False, **args)
+        _same(req, ref)
+        counts = req.stats["particle_requests"]
+        assert counts["early_rows"] == 0 and counts["readded"] == 0, counts
+        assert lm.stats["sessions"]["evicted"] >= 6  # room for the run's 8 requests
+    finally:
+        lm.cleanup()

@@ -30,6 +30,7 @@ class SessionEviction:
     _table: SessionTable
     _pins: Counter[str]
     _by_rid: dict[str, Any]
+    _particles: Any  # a forcing.ParticleHost: its requests hold slots too
     _max_idle: int
     _max_num_seqs: int
     _kv_threshold: float
@@ -82,7 +83,10 @@ class SessionEviction:
     def _enforce_caps(self) -> None:
         table = self._table
         while table.idle:
-            over_seqs = len(table.idle) + len(self._by_rid) > self._max_num_seqs
+            # Every running request holds a slot of max_num_seqs: the step loop's jobs and the
+            # requests of runs whose particles are running requests (.forcing) alike.
+            active = len(self._by_rid) + len(self._particles.by_rid)
+            over_seqs = len(table.idle) + active > self._max_num_seqs
             if not over_seqs and len(table.idle) <= self._max_idle:
                 return
             victim = self._victim(pinned_too=over_seqs)
