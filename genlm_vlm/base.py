@@ -265,6 +265,7 @@ class AsyncLM(ContinuationScoring, ABC):
         prompts: Sequence[TokenIds] | None = None,
         critic: Callable[[list[bytes]], Any] | None = None,
         engine_path: str = "bursts",
+        mask_overlap: bool = False,
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
 
@@ -285,13 +286,17 @@ class AsyncLM(ContinuationScoring, ABC):
         ``empty_reason`` and an :class:`~genlm_vlm.smc.EmptyPosteriorWarning` say why.
         ``engine_path="requests"`` (experimental; default ``"bursts"``): particles as running vLLM
         requests on an :class:`~genlm_vlm.AsyncVirtualLM` (docs/API.md); elsewhere a no-op.
+        ``mask_overlap=True`` (experimental, meant for GPUs; default False): on the requests path,
+        each step's constraint masks are computed on a worker thread while the engine runs the
+        forward, from the tokens of the step before (the same masks, so the same run; an
+        exception a mask raises fails the run at the step that uses it); elsewhere a no-op.
         """
         from .smc import api
 
         return await api.smc(self, prompt_ids, constraint, n_particles, max_tokens, prompts=prompts, critic=critic,
                              in_engine=in_engine, engine_path=engine_path, ess_threshold=ess_threshold, resampling=resampling,
                              temperature=temperature, seed=seed, lora_name=lora_name, eos_token_ids=eos_token_ids,
-                             force_eos=force_eos, target_temperature=target_temperature)
+                             force_eos=force_eos, target_temperature=target_temperature, mask_overlap=mask_overlap)
 
     def smc_sync(self, prompt_ids: TokenIds, constraint: Any, n_particles: int, max_tokens: int,
                  **kwargs: Any) -> SMCResult:

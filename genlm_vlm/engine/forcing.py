@@ -26,6 +26,7 @@ from ..capture import FORCE_KEY, logprob_rows
 from .bursts import burst_error
 from .forks import FORK_KEY, prefill_chunk_reader
 from .jobs import adapter_key
+from .mask_overlap import MaskWorker
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -54,6 +55,7 @@ class ParticleHost:
         self._ready: tuple[bool, str] | None = None  # whether this engine can force, decided on first use
         self.fallbacks: Counter[str] = Counter()
         self.counts = {"runs": 0, "forced_rows": 0, "early_rows": 0, "finished_by_vllm": 0}
+        self.masks = MaskWorker()  # the runs' next masks, computed during the forward (.mask_overlap)
 
     # ---------------------------------------------------------------- choosing the path
     def _engine_refusal(self) -> str | None:
@@ -225,6 +227,10 @@ class ParticleHost:
         for run in list(self.runs):
             run.fail(exc)
 
+    def close(self) -> None:
+        """The engine stops (after every run failed): join the mask worker's thread."""
+        self.masks.close()
+
     def stats(self) -> dict[str, Any]:
         return dict(self.counts, running=len(self.runs), requests=len(self.by_rid),
-                    fallbacks=dict(self.fallbacks))
+                    fallbacks=dict(self.fallbacks), mask_overlap=self.masks.stats())

@@ -206,17 +206,25 @@ class EngineDriver:
         controller's ``step``/``result`` or a ``TokenMask`` function of a run on the engine,
         calling the model): ``what`` would wait for this thread and never return. Counted in
         ``stats()["faults"]["blocking_calls"]``."""
-        if threading.current_thread() is not self._thread:
+        current = threading.current_thread()
+        if current is not self._thread and not self._on_mask_worker(current):
             return
         loop = self._loop
         if loop is not None:
             loop.count_fault("blocking_calls")
         raise RuntimeError(
-            f"{what} was called on the genlm_vlm engine thread (from a controller's step or result, or a "
+            f"{what} was called on the genlm_vlm engine thread or its mask worker (from a controller's step or result, or a "
             "TokenMask function, of a run on the engine): it would wait for that thread itself and never "
             "return. Do not block inside a controller or mask, and do not call the model there (no *_sync "
             "method, smc, run_controller or other call): a controller gets its rows as step's rows argument"
         )
+
+    def _on_mask_worker(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` computes this engine's masks ahead (:mod:`.mask_overlap`): the
+        engine thread waits for it, so it may not wait for the engine either."""
+        particles = getattr(self._loop, "_particles", None)
+        masks = getattr(particles, "masks", None)
+        return masks is not None and masks.owns(thread)
 
     def _post(self, message: Message) -> None:
         self.refuse_engine_thread("a call into the model")

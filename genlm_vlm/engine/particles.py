@@ -93,6 +93,8 @@ class RequestRun(Burst):
         self.counts = {"requests": 0, "forks": 0, "readded": 0, "fork_prefill_tokens": 0,
                        "fork_prefill_max": 0, "aborted": 0, "early_rows": 0}
         self.fork_len: dict[str, int] = {}  # fork request id -> its partial block + 1 (the most it may compute)
+        # the engine's mask worker when the controller asked for its masks ahead (mask_overlap), else None
+        self.masks = host.masks if host.masks.attach(self.controller) else None
 
     # ---------------------------------------------------------------- set-up
     def start(self) -> None:
@@ -196,6 +198,8 @@ class RequestRun(Burst):
             for ng in kids[1:]:
                 ng.fork = (rid, g.length)
         self._begin_step([ng for g in old for ng in children.get(id(g), ())])
+        if self.masks is not None:  # the next step's masks, computed while vLLM runs its forward
+            self.masks.prefetch(self.controller, self.live)
 
     # ---------------------------------------------------------------- between steps
     def settle(self) -> None:
@@ -276,6 +280,8 @@ class RequestRun(Burst):
         self._drop_requests()
 
     def _drop_requests(self) -> None:
+        if self.masks is not None:  # masks computed ahead that no step will take: waited for, dropped
+            self.masks.discard(self.controller)
         rids = [g.rid for g in self.groups if g.rid is not None] + self.to_abort
         self.to_abort = []
         for g in self.groups:

@@ -479,6 +479,7 @@ class StepLoop(SessionEviction, BurstHost, FaultRecovery, LoopStats):
             self._outbox.resolve(job, exc=err)
         for burst in list(self._bursts.values()):
             burst.fail(err)
+        self._particles.close()
         self._scoring.stop(err)
         self._by_rid.clear()
         self._by_key.clear()

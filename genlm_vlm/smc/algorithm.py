@@ -256,7 +256,9 @@ class SMCController(Controller):
                  eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
                  resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,
                  device: str | torch.device | None = None, force_eos: bool = False,
-                 target_temperature: float = 1.0) -> None:
+                 target_temperature: float = 1.0, mask_overlap: bool = False) -> None:
+        from .prefetch import MaskPrefetch
+
         self.constraint = constraint
         self.n_particles = n_particles
         self.max_tokens = max_tokens
@@ -294,6 +296,10 @@ class SMCController(Controller):
         self.target_temperature = target_temperature
         self.forced = 0  # particles whose last token was cut to EOS (force_eos)
         self._eos_only: torch.Tensor | None = None
+        #: Whether a runner that can may compute the next step's masks ahead
+        #: (:meth:`prefetch_masks`); the masks, and so the run, are the same either way.
+        self.mask_overlap = bool(mask_overlap)
+        self._prefetch = MaskPrefetch()
         if (self.device is None and not torch.cuda.is_available()) or (self.device is not None and self.device.type == "cpu"):
             from .step_cpu import fused_available
 
@@ -332,7 +338,43 @@ class SMCController(Controller):
         """The constraint's bitmasks for ``particles`` (on ``device`` where the constraint keeps
         them there, else on the host) and their allowed-token counts where the constraint knows
         them (else None), filled once per distinct token history (resampled copies share
-        theirs: a state is a function of the tokens)."""
+        theirs: a state is a function of the tokens). Masks computed ahead for these particles
+        in this state (:meth:`prefetch_masks`) are taken instead (their exception raised here)."""
+        if self._prefetch.pending:
+            found, masks = self._prefetch.take(self._prefetch_key(particles))
+            if found:
+                return masks
+        return self._masks_now(particles, device)
+
+    # ------------------------------------------------------------------ masks ahead
+    def prefetch_masks(self, particles: Sequence[int], submit: Any) -> bool:
+        """Start computing the masks of the next step's ``particles`` (the live ones after the
+        decision this controller's last ``step`` returned, as the runner applied it) through
+        ``submit`` (a function taking a zero-argument callable and returning a
+        :class:`concurrent.futures.Future`: a worker thread's queue), so that they are computed
+        while the model computes the rows. Returns whether it did (only with ``mask_overlap``,
+        for a non-empty ``particles``). The next :meth:`step` takes them if it is called for the
+        same particles, else it drops them and computes its own (:mod:`.prefetch`): the run is the
+        same either way. They are computed on the host; the step moves them to the rows'
+        device, as it moves a host constraint's. The runner calls :meth:`discard_prefetch` when
+        the run ends, fails or is cancelled. Not thread-safe: the runner's thread only."""
+        if not self.mask_overlap or not particles:
+            return False
+        live = list(particles)
+        self._prefetch.submit(self._prefetch_key(live), lambda: self._masks_now(live, None), submit)
+        return True
+
+    def discard_prefetch(self) -> None:
+        """Drop masks computed ahead that no step will take; returns once no thread computes
+        them (cancelled if not started, else waited for; an exception they raised is dropped)."""
+        self._prefetch.discard()
+
+    def _prefetch_key(self, particles: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        history = self.history
+        return tuple(particles), tuple(history[i] for i in particles)
+
+    def _masks_now(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
+        """:meth:`_bitmasks` computed here and now (on whichever thread calls it)."""
         first: dict[int, int] = {}
         history = self.history
         index = [first.setdefault(history[i], len(first)) for i in particles]
@@ -466,6 +508,8 @@ class SMCController(Controller):
             "mask_ms_per_step": round(1e3 * self.mask_seconds / max(1, self.steps), 4),
             "step_ms_per_step": round(1e3 * (self.seconds - self.mask_seconds) / max(1, self.steps), 4),
         }
+        if self.mask_overlap:
+            stats["mask_overlap"] = self._prefetch.stats()
         return SMCResult(particles, log_marginal, posterior, list(self.ess), list(self.resampled_at), stats,
                          log_marginal_cut, None if posterior else self._empty_reason(particles))
 

@@ -82,7 +82,7 @@ def bind_cache(lm: Any) -> dict[Any, Any]:
 def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *,
             ess_threshold: Any = 0.5, resampling: Any = "systematic", temperature: Any = 1.0, seed: Any = None,
             lora_name: str | None = None, eos_token_ids: Any = None, force_eos: Any = False,
-            target_temperature: Any = 1.0, build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
+            target_temperature: Any = 1.0, mask_overlap: Any = False, build: bool = True) -> tuple[tuple[int, ...], SMCController | None]:
     """Check the arguments of :meth:`~genlm_vlm.AsyncLM.smc` and build its controller: a wrong
     type raises ``TypeError``, a wrong value ``ValueError`` (:class:`ConstraintError` for a
     constraint that does not compile or allows nothing), each naming the argument. With
@@ -114,6 +114,7 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
     if seed is not None and seed < 0:  # numpy's generator, which draws the run's numbers, takes none
         raise ValueError(f"seed must be None or an int >= 0 for smc (it seeds numpy's default_rng), got {seed}")
     check_flag(force_eos, "force_eos")
+    check_flag(mask_overlap, "mask_overlap")
     check_name(lora_name, "lora_name")
     loras = getattr(lm, "_loras", None)
     if loras is not None:
@@ -127,7 +128,7 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
     controller = SMCController(
         bound, n_particles, max_tokens, eos_ids=eos, byte_vocab=text_vocab(lm),
         ess_threshold=thr, resampling=resampling, temperature=temp, seed=seed, force_eos=force_eos,
-        target_temperature=tau,
+        target_temperature=tau, mask_overlap=mask_overlap,
     )
     return prompt, controller
 
