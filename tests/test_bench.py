@@ -163,6 +163,21 @@ def test_the_requests_path_adds_the_bursts_lane_and_its_checks():
     assert not any(p.startswith("smc N=4 rep 1: lm.smc and") for p in problems)
 
 
+def test_mask_overlap_adds_its_lane_and_its_checks():
+    cell = plan(["smc"], [4], 8, "json", "requests", mask_overlap=True)[0]
+    lanes = {lane.label: lane for lane in cell.lanes}
+    assert lanes["lm.smc (mask overlap)"].kwargs == {"n": 4, "t": 8, "constraint": "json", "engine_path": "requests",
+                                                      "mask_overlap": True}
+    assert "mask_overlap" not in lanes["lm.smc"].kwargs
+    assert "lm.smc (mask overlap)" not in [lane.label for lane in plan(["smc"], [4], 8, "json", "requests")[0].lanes]
+    ok = {"wall_s": 1.0, "particle_steps": 32, "particles": 4, "fingerprint": "x", "engine_path": "requests"}
+    runs = {label: [ok] for label in lanes}
+    runs["lm.smc (mask overlap)"] = [{**ok, "fingerprint": "z"}]
+    problems = runner.check_cell(cell, runs, {"vllm decode": {"tokens_asked": 8}})
+    assert any("lm.smc (mask overlap) and the Python reference drew different" in p for p in problems)
+    assert cli.check(cli._parser().parse_args(["--mask-overlap", "--engine-path", "requests"]))["workloads"]
+
+
 def test_plan_and_inputs():
     assert processes_for(["smc"]) == ["genlm_vlm", "vllm"]
     assert processes_for(["control"]) == ["genlm_vlm"]

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-path", choices=ENGINE_PATHS, default="bursts",
                    help="lm.smc's engine_path in the smc workload (requests: experimental; the default "
                         "path, bursts, runs beside it as 'lm.smc (bursts)')")
+    p.add_argument("--mask-overlap", action="store_true",
+                   help="add a lane 'lm.smc (mask overlap)': lm.smc with mask_overlap=True on the same engine "
+                        "path (experimental; takes effect on the requests path)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="the engines' dtype")
     p.add_argument("--engine-opts", nargs="+", default=[], metavar="KEY=VALUE", help=ENGINE_OPT_HELP)
     p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE", help=argparse.SUPPRESS)
@@ -173,7 +176,7 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     opts = engine_options(model, cfg["engine_opts"])
     conf = runner.Config(model=model, workloads=cfg["workloads"], ns=cfg["ns"], max_tokens=cfg["max_tokens"],
                          reps=cfg["reps"], constraint=args.constraint, engine_opts=opts, out=cfg["out"],
-                         engine_path=args.engine_path)
+                         engine_path=args.engine_path, mask_overlap=args.mask_overlap)
     cfg["out"].mkdir(parents=True, exist_ok=True)
     try:
         result = runner.run(conf, progress=not (args.no_progress or args.quiet),
@@ -184,6 +187,7 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     result.update(model=model, engine_opts=opts, genlm_vlm=__version__, argv=sys.argv[1:],
                   config={"workloads": cfg["workloads"], "n": cfg["ns"], "max_tokens": cfg["max_tokens"],
                           "reps": cfg["reps"], "constraint": args.constraint, "engine_path": args.engine_path,
+                          "mask_overlap": args.mask_overlap,
                           "skipped": cfg["skipped"]})
     files = report.write(result, cfg["out"])
     if not args.quiet:

@@ -28,6 +28,7 @@ class Config:
     engine_opts: dict[str, Any]
     out: pathlib.Path
     engine_path: str = "bursts"
+    mask_overlap: bool = False
 
 
 def _drop_bulk(res: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def check_cell(cell: Cell, runs: dict[str, list[dict[str, Any]]], warm: dict[str
                 problems.append(f"{where}: no work counted ({cell.work_key} = {r.get(cell.work_key)})")
     if cell.workload == "smc":
         path = cell.lanes[0].kwargs.get("engine_path", "bursts")
-        for label in [x for x in ("lm.smc", "lm.smc (bursts)") if x in runs]:
+        for label in [x for x in ("lm.smc", "lm.smc (bursts)", "lm.smc (mask overlap)") if x in runs]:
             for i, (a, b) in enumerate(zip(runs[label], runs["python reference"], strict=True), 1):
                 if a["fingerprint"] != b["fingerprint"]:
                     problems.append(f"smc N={n} rep {i}: {label} and the Python reference drew different "
@@ -115,7 +116,7 @@ def run(cfg: Config, progress: bool = True, log: Callable[[str], None] = print) 
     """Run every cell of ``cfg``; returns the result object written as JSON (see report)."""
     from tqdm import tqdm
 
-    cells = plan(cfg.workloads, cfg.ns, cfg.max_tokens, cfg.constraint, cfg.engine_path)
+    cells = plan(cfg.workloads, cfg.ns, cfg.max_tokens, cfg.constraint, cfg.engine_path, cfg.mask_overlap)
     names = processes_for(cfg.workloads)
     spec = {"model": cfg.model, "engine_opts": cfg.engine_opts}
     logs = cfg.out / "logs"

@@ -121,7 +121,7 @@ class GenlmSystem:
         return {"wall_s": wall, "rows": len(rows), "width": int(rows[0].shape[-1])}
 
     def job_smc(self, n: int, t: int, constraint: str, rep: int, in_engine: bool = True,
-                engine_path: str = "bursts") -> dict[str, Any]:
+                engine_path: str = "bursts", mask_overlap: bool = False) -> dict[str, Any]:
         from genlm_vlm.smc import Grammar, JSONSchema, Regex
 
         c = {"regex": lambda: Regex(W.REGEX), "steady": lambda: Regex(W.STEADY), "json": lambda: JSONSchema(W.SCHEMA),
@@ -130,12 +130,15 @@ class GenlmSystem:
         self._fresh()
         t0 = time.perf_counter()
         r = self.loop.run_until_complete(self.lm.smc(self.prompt, c, n, t, seed=rep, in_engine=in_engine,
-                                                     ess_threshold=ess, engine_path=engine_path))
+                                                     ess_threshold=ess, engine_path=engine_path,
+                                                     mask_overlap=mask_overlap))
         wall = time.perf_counter() - t0
         return {"wall_s": wall, "particle_steps": r.stats["rows"], "steps": r.stats["steps"],
                 "particles": len(r.particles), "distinct": len({tuple(p.token_ids) for p in r.particles}),
                 "resamples": r.stats["resamples"], "fingerprint": _fingerprint(r.particles),
-                "engine_path": r.stats.get("engine_path"), "fallback": r.stats.get("engine_path_fallback")}
+                "engine_path": r.stats.get("engine_path"), "fallback": r.stats.get("engine_path_fallback"),
+                "mask_s": r.stats.get("mask_s"), "controller_s": r.stats.get("controller_s"),
+                "mask_overlap": r.stats.get("mask_overlap")}
 
     def job_score(self, n: int, rep: int) -> dict[str, Any]:
         records = W.score_records(n, self.vocab, rep)

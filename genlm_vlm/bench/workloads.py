@@ -68,18 +68,20 @@ def processes_for(workloads: list[str]) -> list[str]:
 
 
 def plan(workloads: list[str], ns: list[int], max_tokens: int, constraint: str,
-         engine_path: str = "bursts") -> list[Cell]:
+         engine_path: str = "bursts", mask_overlap: bool = False) -> list[Cell]:
     """The cells to run, workload by workload (in :data:`WORKLOADS` order), N ascending.
     ``engine_path``: the path ``lm.smc`` takes in the ``smc`` workload (``"requests"`` adds a lane
-    with the default path, ``"lm.smc (bursts)"``, so the two are compared in the same run)."""
+    with the default path, ``"lm.smc (bursts)"``, so the two are compared in the same run).
+    ``mask_overlap``: add a lane ``"lm.smc (mask overlap)"``, ``lm.smc`` on the same path with
+    ``mask_overlap=True`` (its ratio above 1: the overlap made the run slower)."""
     cells = []
     for w in [w for w in WORKLOADS if w in workloads]:
         for n in sorted(ns):
-            cells.append(_cell(w, n, max_tokens, constraint, engine_path))
+            cells.append(_cell(w, n, max_tokens, constraint, engine_path, mask_overlap))
     return cells
 
 
-def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "bursts") -> Cell:
+def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "bursts", mask_overlap: bool = False) -> Cell:
     if w == "rows":
         kw = {"n": n, "rounds": ROWS_ROUNDS}
         return Cell(w, n, (Lane("genlm_vlm awaits", "genlm_vlm", "rows", kw),
@@ -88,6 +90,9 @@ def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "bursts") 
     if w == "smc":
         kw = {"n": n, "t": t, "constraint": constraint}
         bursts = (Lane("lm.smc (bursts)", "genlm_vlm", "smc", kw),) if engine_path != "bursts" else ()
+        if mask_overlap:
+            bursts += (Lane("lm.smc (mask overlap)", "genlm_vlm", "smc",
+                            {**kw, "engine_path": engine_path, "mask_overlap": True}),)
         return Cell(w, n, (Lane("lm.smc", "genlm_vlm", "smc", {**kw, "engine_path": engine_path}), *bursts,
                            Lane("python reference", "genlm_vlm", "smc", {**kw, "in_engine": False}),
                            Lane("vllm decode", "vllm", "decode", {"n": n}),
