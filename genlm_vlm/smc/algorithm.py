@@ -72,6 +72,7 @@ import numpy as np
 
 from .constraints import BoundConstraint, usable_width
 from .controller import Controller, Decision, Tokens
+from .prefetch import MaskPrefetch, StepMasks
 
 if TYPE_CHECKING:  # torch and the step are imported where used: importing genlm_vlm.smc stays light
     import torch
@@ -223,13 +224,6 @@ def posterior_of(particles: Sequence[Particle]) -> dict[bytes, float]:
     return posterior
 
 
-def torch_index(index: list[int], device: Any) -> Any:
-    """``index`` as an int64 tensor on ``device`` (to index a tensor there)."""
-    import torch
-
-    return torch.tensor(index, dtype=torch.int64).to(device)
-
-
 def ancestors(weights: np.ndarray, method: str, rng: np.random.Generator) -> list[int]:
     """``len(weights)`` ancestor indices drawn from normalised ``weights``."""
     n = len(weights)
@@ -244,7 +238,7 @@ def ancestors(weights: np.ndarray, method: str, rng: np.random.Generator) -> lis
     return [int(i) for i in np.minimum(np.searchsorted(cdf, u, side="right"), n - 1)]
 
 
-class SMCController(Controller):
+class SMCController(StepMasks, Controller):
     """The built-in controller (see the module docstring). Build it through
     :meth:`~genlm_vlm.AsyncLM.smc`, which checks the arguments; one instance runs once.
 
@@ -257,8 +251,6 @@ class SMCController(Controller):
                  resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,
                  device: str | torch.device | None = None, force_eos: bool = False,
                  target_temperature: float = 1.0, mask_overlap: bool = False) -> None:
-        from .prefetch import MaskPrefetch
-
         self.constraint = constraint
         self.n_particles = n_particles
         self.max_tokens = max_tokens
@@ -333,61 +325,6 @@ class SMCController(Controller):
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         return Decision(out, parents)
-
-    def _bitmasks(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
-        """The constraint's bitmasks for ``particles`` (on ``device`` where the constraint keeps
-        them there, else on the host) and their allowed-token counts where the constraint knows
-        them (else None), filled once per distinct token history (resampled copies share
-        theirs: a state is a function of the tokens). Masks computed ahead for these particles
-        in this state (:meth:`prefetch_masks`) are taken instead (their exception raised here)."""
-        if self._prefetch.pending:
-            found, masks = self._prefetch.take(self._prefetch_key(particles))
-            if found:
-                return masks
-        return self._masks_now(particles, device)
-
-    # ------------------------------------------------------------------ masks ahead
-    def prefetch_masks(self, particles: Sequence[int], submit: Any) -> bool:
-        """Start computing the masks of the next step's ``particles`` (the live ones after the
-        decision this controller's last ``step`` returned, as the runner applied it) through
-        ``submit`` (a function taking a zero-argument callable and returning a
-        :class:`concurrent.futures.Future`: a worker thread's queue), so that they are computed
-        while the model computes the rows. Returns whether it did (only with ``mask_overlap``,
-        for a non-empty ``particles``). The next :meth:`step` takes them if it is called for the
-        same particles, else it drops them and computes its own (:mod:`.prefetch`): the run is the
-        same either way. They are computed on the host; the step moves them to the rows'
-        device, as it moves a host constraint's. The runner calls :meth:`discard_prefetch` when
-        the run ends, fails or is cancelled. Not thread-safe: the runner's thread only."""
-        if not self.mask_overlap or not particles:
-            return False
-        live = list(particles)
-        self._prefetch.submit(self._prefetch_key(live), lambda: self._masks_now(live, None), submit)
-        return True
-
-    def discard_prefetch(self) -> None:
-        """Drop masks computed ahead that no step will take; returns once no thread computes
-        them (cancelled if not started, else waited for; an exception they raised is dropped)."""
-        self._prefetch.discard()
-
-    def _prefetch_key(self, particles: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        history = self.history
-        return tuple(particles), tuple(history[i] for i in particles)
-
-    def _masks_now(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
-        """:meth:`_bitmasks` computed here and now (on whichever thread calls it)."""
-        first: dict[int, int] = {}
-        history = self.history
-        index = [first.setdefault(history[i], len(first)) for i in particles]
-        width, c = self.width, self.constraint
-        if len(first) == len(index):
-            bits = c.bitmasks_on([self.states[i] for i in particles], width, device)
-            return bits, c.last_counts
-        reps: dict[int, int] = {}
-        for i, k in zip(particles, index, strict=True):
-            reps.setdefault(k, i)
-        unique = c.bitmasks_on([self.states[reps[k]] for k in range(len(first))], width, device)
-        counts = c.last_counts
-        return unique[torch_index(index, unique.device)], None if counts is None else counts[index]
 
     def _target_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's rows: ``rows`` as they are, or ``log_softmax(rows / tau)`` (genlm-control's

@@ -21,16 +21,20 @@ and how it fails without the overlap. Work that no step takes (the run ended, fa
 cancelled) is waited for (or cancelled before it starts) by :meth:`MaskPrefetch.discard`, and its
 exception, if any, is dropped: the synchronous path would never have computed those masks.
 
-Pure Python; the thread that runs the work is the caller's (``submit``: a function that takes a
-zero-argument callable and returns a :class:`concurrent.futures.Future`).
+:class:`StepMasks` is the built-in controller's side (:class:`~.algorithm.SMCController` mixes it
+in): a step's masks, computed in the step or taken from the work started after the step before.
+The thread that runs the work is the caller's (``submit``: a function that takes a zero-argument
+callable and returns a :class:`concurrent.futures.Future`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 
 class MaskPrefetch:
@@ -90,3 +94,78 @@ class MaskPrefetch:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counts, wait_s=round(self.wait_s, 6))
+
+
+def torch_index(index: list[int], device: Any) -> Any:
+    """``index`` as an int64 tensor on ``device`` (to index a tensor there)."""
+    import torch
+
+    return torch.tensor(index, dtype=torch.int64).to(device)
+
+
+class StepMasks:
+    """A step's constraint masks, computed now or ahead (see the module docstring). Mixed into
+    :class:`~.algorithm.SMCController`, whose attributes it reads: ``constraint``, ``states``,
+    ``history`` (a number per particle naming its token history), ``width``, ``mask_overlap``
+    and ``_prefetch`` (a :class:`MaskPrefetch`)."""
+
+    constraint: Any
+    states: list[Any]
+    history: list[int]
+    width: int
+    mask_overlap: bool
+    _prefetch: MaskPrefetch
+
+    def _bitmasks(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
+        """The constraint's bitmasks for ``particles`` (on ``device`` where the constraint keeps
+        them there, else on the host) and their allowed-token counts where the constraint knows
+        them (else None), filled once per distinct token history (resampled copies share
+        theirs: a state is a function of the tokens). Masks computed ahead for these particles
+        in this state (:meth:`prefetch_masks`) are taken instead (their exception raised here)."""
+        if self._prefetch.pending:
+            found, masks = self._prefetch.take(self._prefetch_key(particles))
+            if found:
+                return masks
+        return self._masks_now(particles, device)
+
+    def prefetch_masks(self, particles: Sequence[int], submit: Any) -> bool:
+        """Start computing the masks of the next step's ``particles`` (the live ones after the
+        decision this controller's last ``step`` returned, as the runner applied it) through
+        ``submit`` (a function taking a zero-argument callable and returning a
+        :class:`concurrent.futures.Future`: a worker thread's queue), so that they are computed
+        while the model computes the rows. Returns whether it did (only with ``mask_overlap``,
+        for a non-empty ``particles``). The next :meth:`step` takes them if it is called for the
+        same particles, else it drops them and computes its own (:mod:`.prefetch`): the run is the
+        same either way. They are computed on the host; the step moves them to the rows'
+        device, as it moves a host constraint's. The runner calls :meth:`discard_prefetch` when
+        the run ends, fails or is cancelled. Not thread-safe: the runner's thread only."""
+        if not self.mask_overlap or not particles:
+            return False
+        live = list(particles)
+        self._prefetch.submit(self._prefetch_key(live), lambda: self._masks_now(live, None), submit)
+        return True
+
+    def discard_prefetch(self) -> None:
+        """Drop masks computed ahead that no step will take; returns once no thread computes
+        them (cancelled if not started, else waited for; an exception they raised is dropped)."""
+        self._prefetch.discard()
+
+    def _prefetch_key(self, particles: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        history = self.history
+        return tuple(particles), tuple(history[i] for i in particles)
+
+    def _masks_now(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
+        """:meth:`_bitmasks` computed here and now (on whichever thread calls it)."""
+        first: dict[int, int] = {}
+        history = self.history
+        index = [first.setdefault(history[i], len(first)) for i in particles]
+        width, c = self.width, self.constraint
+        if len(first) == len(index):
+            bits = c.bitmasks_on([self.states[i] for i in particles], width, device)
+            return bits, c.last_counts
+        reps: dict[int, int] = {}
+        for i, k in zip(particles, index, strict=True):
+            reps.setdefault(k, i)
+        unique = c.bitmasks_on([self.states[reps[k]] for k in range(len(first))], width, device)
+        counts = c.last_counts
+        return unique[torch_index(index, unique.device)], None if counts is None else counts[index]
