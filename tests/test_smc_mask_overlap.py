@@ -92,6 +92,21 @@ def test_overlap_with_temperature_and_no_resampling(llama_lm):
     assert over.stats["mask_overlap"]["used"] == over.steps - 1
 
 
+def test_overlap_stays_exact_when_vllm_leaves_particles_out_of_a_step(llama_tight_lm):
+    """max_num_seqs=4 and 16 particles: a run's step spans several engine steps (early rows,
+    re-added requests); the masks computed ahead are still the next step's."""
+    lm = llama_tight_lm
+    prompt = _prompt(lm)
+    args = dict(seed=3, ess_threshold=0.9)
+    over = lm.smc_sync(prompt, CONSTRAINTS["ebnf"](), 16, 10, engine_path="requests", mask_overlap=True, **args)
+    ref = lm.smc_sync(prompt, CONSTRAINTS["ebnf"](), 16, 10, in_engine=False, **args)
+    _same(over, ref)
+    counts = over.stats["particle_requests"]
+    assert counts["early_rows"] > 0 and counts["readded"] > 0
+    assert over.stats["mask_overlap"]["used"] == over.steps - 1
+    _idle(lm)
+
+
 def test_mask_overlap_is_checked_and_a_no_op_elsewhere(llama_lm):
     lm = llama_lm
     prompt = _prompt(lm)
