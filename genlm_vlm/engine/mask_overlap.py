@@ -23,12 +23,9 @@ Engine thread only, except :meth:`MaskWorker.owns` (any thread).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 THREAD_NAME = "genlm-vlm-masks"
 
