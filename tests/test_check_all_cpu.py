@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu" / "check_all.sh"
 TASKS = ("env", "controller", "model", "rows-v2", "rows-v1", "rows-v2-bf16", "bench-v2-graphs", "bench-v1-graphs",
-         "smc-requests-v2", "smc-requests-v1", "bench-v2-eager", "bench-v1-eager", "bench-more")
+         "smc-requests-v2", "smc-requests-v1", "smc-mask-overlap-v1", "bench-v2-eager", "bench-v1-eager", "bench-more")
 
 
 def _run(tmp_path: pathlib.Path, budget: int, *args: str) -> subprocess.CompletedProcess:

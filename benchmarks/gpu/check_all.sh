@@ -60,6 +60,9 @@ BENCH=(-m genlm_vlm bench --model-shape "$SHAPE" --workloads smc rows --n 64 256
 # particle live (no resampling); the requests path needs synchronous scheduling, and every system
 # gets the same option.
 SMC_REQ=(-m genlm_vlm bench --model-shape "$SHAPE" --workloads smc --constraint steady --engine-path requests --n 64 256 1024 --max-tokens 48 --reps 3 --dtype bfloat16 --engine-opts async_scheduling=false --no-progress --overwrite)
+# lm.smc(engine_path="requests", mask_overlap=True) beside the same path without it: the JSON schema's
+# xgrammar masks computed on a worker thread during the forward (issue 47, item 7).
+SMC_MASKS=(-m genlm_vlm bench --model-shape "$SHAPE" --workloads smc --constraint json --engine-path requests --mask-overlap --n 64 256 --max-tokens 48 --reps 3 --dtype bfloat16 --engine-opts async_scheduling=false --no-progress --overwrite)
 # name | estimated seconds | VLLM_USE_V2_MODEL_RUNNER ("" = vLLM's choice) | python arguments (DIR: the task's folder)
 TASKS=(
   "env|10||-c import genlm_vlm.bench.systems as s, torch, vllm, json; print(json.dumps({'torch': torch.__version__, 'vllm': vllm.__version__, 'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))"
@@ -72,6 +75,7 @@ TASKS=(
   "bench-v1-graphs|420|0|${BENCH[*]} --dtype bfloat16 --out DIR"
   "smc-requests-v2|420|1|${SMC_REQ[*]} --out DIR"
   "smc-requests-v1|420|0|${SMC_REQ[*]} --out DIR"
+  "smc-mask-overlap-v1|420|0|${SMC_MASKS[*]} --out DIR"
   "bench-v2-eager|420|1|${BENCH[*]} --dtype bfloat16 --engine-opts enforce_eager=true --out DIR"
   "bench-v1-eager|420|0|${BENCH[*]} --dtype bfloat16 --engine-opts enforce_eager=true --out DIR"
   "bench-more|420|1|-m genlm_vlm bench --model-shape $SHAPE --workloads scoring lm-eval control --n 64 256 --reps 3 --dtype bfloat16 --no-progress --overwrite --out DIR"
