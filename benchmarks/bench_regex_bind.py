@@ -7,6 +7,14 @@ then time `Regex(pattern)` and `.bind(...)` (the first mask included) and read t
 `--timeout` seconds or `--mem-mb` of address space is reported as such.
 
     .venv/bin/python benchmarks/bench_regex_bind.py --vocab demo --vocab 32k --against /path/to/old/checkout
+
+`--steps` measures the time per step instead: `lm.smc` on the demo model (one process, one engine)
+under each pattern and under `[a-z ]+`, N particles, T tokens, the patterns alternating within
+each repetition, repetition r seeded r. It prints each pattern's time per step against `[a-z ]+`'s
+in the same repetition (the first repetition, which binds the pattern and makes its states and
+mask rows, apart from the later ones, which mostly reuse them) and `stats["constraint_s"]` per step.
+
+    .venv/bin/python benchmarks/bench_regex_bind.py --steps --reps 4
 """
 
 from __future__ import annotations
@@ -71,6 +79,54 @@ def run(root: str, pattern: str, vocab: str, timeout: float, mem_mb: int) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+BASE = r"[a-z ]+"
+
+
+def steps(patterns: list[str], n: int, t: int, reps: int) -> None:
+    """The ``--steps`` mode (see the module docstring)."""
+    import asyncio
+    import statistics
+    import time
+
+    import genlm_vlm
+    from genlm_vlm import AsyncVirtualLM
+    from genlm_vlm.smc import Regex
+
+    lm = AsyncVirtualLM.from_name(genlm_vlm.demo_model_path())
+    tok = lm.tokenizer
+    prompt = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok.encode(
+        "Write a line of text:\n", add_special_tokens=False)
+    loop = asyncio.new_event_loop()
+    names = [BASE] + [p for p in patterns if p != BASE]
+    got: dict[str, list[tuple[float, float, int]]] = {p: [] for p in names}  # (s/step, constraint s/step, steps)
+    for rep in range(reps):
+        for p in names:
+            lm.clear_cache()
+            t0 = time.perf_counter()
+            r = loop.run_until_complete(lm.smc(prompt, Regex(p), n, t, seed=rep))
+            wall = time.perf_counter() - t0
+            k = max(1, r.stats["steps"])
+            got[p].append((wall / k, r.stats["constraint_s"] / k, r.stats["steps"]))
+        with open("/proc/loadavg") as f:
+            print(f"repetition {rep} done, load average {f.read().split()[:3]}", flush=True)
+    print(f"\nlm.smc, demo model, N = {n}, T = {t}; per step: ms, ratio to {BASE!r} in the same repetition, "
+          "constraint_s in ms")
+    print(f"{'pattern':26} {'first: ms':>10} {'ratio':>6} {'constr':>7}   {'later: ms':>10} {'ratio':>6} {'constr':>7}  steps")
+    for p in names:
+        first = got[p][0]
+        ratio0 = first[0] / got[BASE][0][0]
+        later = got[p][1:]
+        if later:
+            ms = statistics.median(x[0] for x in later)
+            ratios = statistics.median(x[0] / b[0] for x, b in zip(later, got[BASE][1:], strict=True))
+            cs = statistics.median(x[1] for x in later)
+            tail = f"{1e3 * ms:10.2f} {ratios:6.2f} {1e3 * cs:7.2f}"
+        else:
+            tail = ""
+        print(f"{p[:26]:26} {1e3 * first[0]:10.2f} {ratio0:6.2f} {1e3 * first[1]:7.2f}   {tail}  "
+              f"{'/'.join(str(x[2]) for x in got[p])}", flush=True)
+
+
 def main() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,7 +135,17 @@ def main() -> None:
     ap.add_argument("--pattern", action="append", help="patterns (default: issue 48's)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--mem-mb", type=int, default=6144, help="address-space cap per process (0: none)")
+    ap.add_argument("--steps", action="store_true", help="time per step of lm.smc instead (see the docstring)")
+    ap.add_argument("--n", type=int, default=64, help="--steps: particles")
+    ap.add_argument("--t", type=int, default=48, help="--steps: max_tokens")
+    ap.add_argument("--reps", type=int, default=4, help="--steps: repetitions (the first binds)")
     args = ap.parse_args()
+    if args.steps:
+        sys.path.insert(0, here)  # this checkout's package
+        with open("/proc/loadavg") as f:
+            print(f"load average at start: {f.read().split()[:3]}")
+        steps(args.pattern or PATTERNS, args.n, args.t, args.reps)
+        return
     roots = {"this": here} | ({"against": os.path.abspath(args.against)} if args.against else {})
     with open("/proc/loadavg") as f:
         print(f"load average at start: {f.read().split()[:3]}")
