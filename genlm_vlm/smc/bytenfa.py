@@ -14,6 +14,7 @@ moves followed, positions that cannot reach acceptance dropped). The lazy DFA
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -173,8 +174,7 @@ class ByteNFA:
         keep = met[src] & (dst != src)
         pairs = np.unique(src[keep] * n + dst[keep])
         src, dst = pairs // max(n, 1), pairs % max(n, 1)
-        self._eps_src = src
-        self._eps_to, self._eps_off = _csr(src, dst, n)
+        self._eps = (src, dst)  # the distinct epsilon moves (for the digest)
         self.start = int(fwd[start])
         order = np.argsort(arcs[:, 0], kind="stable")
         targets = fwd[arcs[order, 2]]
@@ -183,11 +183,16 @@ class ByteNFA:
         #: The arc numbers of state ``s``: ``range(arc_first[s], arc_first[s + 1])``.
         self.arc_first: list[int] = np.concatenate([[0], np.cumsum(counts)]).tolist()
         self.width = max((len(t.edges) for t in set(self.arc_trie)), default=1)
-        self.important: list[bool] = ((counts > 0) | is_final).tolist()
         if all_live:
             self.live = [True] * n
         else:
             self.live = self._coreachable(np.concatenate([src, arcs[order, 0]]), np.concatenate([dst, targets]))
+        self._live = np.array(self.live, dtype=bool)
+        self._important = (counts > 0) | is_final
+        good = self._live[src] & self._live[dst]
+        to, off = _csr(src[good], dst[good], n)
+        #: ``_succ[s]``: the live states ``s`` moves to without input (``s`` live).
+        self._succ: list[list[int]] = [to[a:b] for a, b in zip(off[:-1], off[1:], strict=True)]
         top = n + len(self.arc_trie) * self.width
         self.dtype = np.int32 if top < 2**31 else np.int64
         self._edges: dict[int, list[tuple[int, int, int]]] = {}
@@ -213,8 +218,8 @@ class ByteNFA:
         if self._digest is None:
             h = hashlib.blake2b(digest_size=16)
             h.update(repr((self.n, self.start, sorted(self.finals), self.arc_first)).encode())
-            h.update(np.asarray(self._eps_src, dtype=np.int64).tobytes())
-            h.update(np.asarray(self._eps_to, dtype=np.int64).tobytes())
+            h.update(self._eps[0].astype(np.int64).tobytes())
+            h.update(self._eps[1].astype(np.int64).tobytes())
             number: dict[int, int] = {}  # each distinct trie numbered in order of first use
             tries: list[ByteTrie] = []
             for t in self.arc_trie:
@@ -273,32 +278,35 @@ class ByteNFA:
         """The sorted positions (states with arcs or final, and points inside arcs) reached from
         ``targets`` by epsilon moves, live ones only: a deterministic state's identity. Raises
         :class:`TooLarge` past :data:`MAX_SET` positions."""
-        n, to, off, live = self.n, self._eps_to, self._eps_off, self.live
+        n, succ, live = self.n, self._succ, self.live
         inside: set[int] = set()
         seen: set[int] = set()
-        todo: list[int] = []
         for p in targets:
             if p >= n:
                 inside.add(p)
-            elif live[p] and p not in seen:
+            elif live[p]:
                 seen.add(p)
-                todo.append(p)
+        todo = list(seen)
         while todo:
-            s = todo.pop()
-            for t in to[off[s]:off[s + 1]]:
-                if t not in seen and live[t]:
-                    seen.add(t)
-                    todo.append(t)
+            if len(todo) > 16:  # a wide front: one level at once, in C (set and chain operations)
+                front = set(itertools.chain.from_iterable(map(succ.__getitem__, todo)))
+                front -= seen
+                seen |= front
+                todo = list(front)
+            else:  # a narrow one (a long chain of moves): one state at a time
+                for t in succ[todo.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append(t)
             if len(seen) > MAX_SET:
                 raise TooLarge(
                     f"one state of its deterministic automaton holds more than {MAX_SET:,} positions of the "
                     "nondeterministic one (nested or overlapping repeats): write fewer nested optional repeats, "
                     "e.g. [a-z]{0,10000} for (?:[a-z]{0,100}){0,100}"
                 )
-        important = self.important
-        keep = [s for s in seen if important[s]]
-        keep.extend(inside)
-        out = np.array(keep, dtype=self.dtype)
+        states = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        out = np.concatenate([states[self._important[states]], np.fromiter(inside, dtype=np.int64, count=len(inside))])
+        out = out.astype(self.dtype)
         out.sort()
         return out
 
