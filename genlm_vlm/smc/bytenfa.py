@@ -180,6 +180,7 @@ class ByteNFA:
         targets = fwd[arcs[order, 2]]
         self.arc_trie: list[ByteTrie] = [tries[i] for i in arcs[order, 1].tolist()]
         self.arc_target: list[int] = targets.tolist()
+        self._arcs = (arcs[order, 0], arcs[order, 1], targets, tries)  # from, trie index, to; the tries
         #: The arc numbers of state ``s``: ``range(arc_first[s], arc_first[s + 1])``.
         self.arc_first: list[int] = np.concatenate([[0], np.cumsum(counts)]).tolist()
         self.width = max((len(t.edges) for t in set(self.arc_trie)), default=1)
@@ -196,6 +197,7 @@ class ByteNFA:
         top = n + len(self.arc_trie) * self.width
         self.dtype = np.int32 if top < 2**31 else np.int64
         self._edges: dict[int, list[tuple[int, int, int]]] = {}
+        self._roots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._digest: bytes | None = None
 
     @classmethod
@@ -252,6 +254,33 @@ class ByteNFA:
                     good[t] = True
                     todo.append(t)
         return good
+
+    def _state_edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The byte moves of every state position (``p < n``: its arcs' tries' roots), toward
+        live positions, as arrays: state ``s``'s are ``offsets[s]:offsets[s + 1]`` of ``(low,
+        high, next position)``. Made on first use."""
+        if self._roots is None:
+            src, trie_of, targets, tries = self._arcs
+            n = self.n
+            root_lo, root_hi, root_child, root_count = [], [], [], []
+            for t in tries:
+                root = t.edges[0]
+                root_count.append(len(root))
+                for lo, hi, c in root:
+                    root_lo.append(lo)
+                    root_hi.append(hi)
+                    root_child.append(c)
+            r_off = np.concatenate([[0], np.cumsum(root_count)]).astype(np.int64)
+            count = np.asarray(root_count, dtype=np.int64)[trie_of] * self._live[targets]
+            arc = np.repeat(np.arange(len(src), dtype=np.int64), count)
+            k = np.arange(len(arc), dtype=np.int64) + np.repeat(r_off[trie_of] - (np.cumsum(count) - count), count)
+            lo = np.asarray(root_lo, dtype=np.int64)[k]
+            hi = np.asarray(root_hi, dtype=np.int64)[k]
+            child = np.asarray(root_child, dtype=np.int64)[k]
+            tg = np.where(child < 0, targets[arc], n + arc * self.width + child)
+            off = np.concatenate([[0], np.cumsum(np.bincount(src[arc], minlength=n))]).astype(np.int64)
+            self._roots = (off, lo, hi, tg)
+        return self._roots
 
     def edges(self, p: int) -> list[tuple[int, int, int]]:
         """Position ``p``'s byte moves ``(low, high, next position)``, toward live positions only."""
@@ -314,14 +343,19 @@ class ByteNFA:
         """The moves of a set of positions on every byte, as ``(x, y, targets)``: the bytes
         ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`); bytes in no
         interval lead nowhere."""
-        edges: list[tuple[int, int, int]] = []
-        for p in positions.tolist():
-            edges += self.edges(p)
-        if not edges:
+        pos = np.asarray(positions, dtype=np.int64)
+        states = pos[pos < self.n]
+        off, r_lo, r_hi, r_tg = self._state_edges()
+        first, count = off[states], off[states + 1] - off[states]
+        k = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(count) - count), count)
+        lo, hi, tg = r_lo[k], r_hi[k], r_tg[k]
+        inner = [e for p in pos[pos >= self.n].tolist() for e in self.edges(p)]
+        if inner:
+            arr = np.array(inner, dtype=np.int64)
+            lo, hi, tg = np.concatenate([lo, arr[:, 0]]), np.concatenate([hi, arr[:, 1]]), np.concatenate([tg, arr[:, 2]])
+        if not len(lo):
             return []
-        arr = np.array(edges, dtype=np.int64)
-        lo, hi, tg = arr[:, 0], arr[:, 1], arr[:, 2]
-        if len(arr) == 1:
+        if len(lo) == 1:
             return [(int(lo[0]), int(hi[0]) + 1, tg)]
         cuts = np.unique(np.concatenate([lo, hi + 1])).tolist()
         out = []
