@@ -49,6 +49,8 @@ COMPACT_ABOVE = 8192
 #: A state of 2 to this many NFA positions gets its text tokens as the union of its positions'
 #: (:meth:`TokenMasks._text_row`); larger ones are walked.
 SPLIT_MAX = 64
+#: Walks the position unions may spend before they have saved any (see :meth:`TokenMasks._text_row`).
+SPLIT_CREDIT = 8
 #: Bytes of the per-position rows (:meth:`TokenMasks._text_row`) one table keeps.
 TEXT_ROW_BYTES = 16 << 20
 
@@ -133,6 +135,8 @@ class TokenMasks:
         self._text: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._text_max = max(64, TEXT_ROW_BYTES // (4 * walk.words))
         self.walked = 0  # vocabulary walks (a row made from its positions' rows needs none)
+        #: Walks the position unions may still spend past the walks they saved (see :meth:`_text_row`).
+        self._credit = SPLIT_CREDIT
 
     def gather(self, states: Sequence[bytes], words: int, device: Any = None) -> tuple[torch.Tensor, np.ndarray]:
         """The bitmask rows of ``states`` (DFA state keys; ``int32 [len(states), words]``, a new
@@ -227,7 +231,9 @@ class TokenMasks:
         states (``closure({p})``, each a subset of it): states that differ only in which
         positions they combine (``(a|b)*a(a|b){15}`` has 65,536 of them over 34 positions)
         share their work. Larger states, one-position states and states equal to a position's
-        own are walked (:meth:`TokenWalk.allowed`)."""
+        own are walked (:meth:`TokenWalk.allowed`). So is a state whose union needs more new
+        walks than the unions saved so far plus :data:`SPLIT_CREDIT`: where states rarely share
+        positions, the unions cost at most that many walks more than walking every state."""
         got = self._text.get(key)
         if got is not None:
             self._text.move_to_end(key)
@@ -236,13 +242,13 @@ class TokenMasks:
         positions = dfa.positions(key)
         bits: np.ndarray | None = None
         if 1 < len(positions) <= SPLIT_MAX:
-            bits = np.zeros(self.walk.words, dtype=np.int32)
-            for p in positions.tolist():
-                sub = dfa.position_key(p)
-                if sub == key:  # a position whose own state is this one (an epsilon cycle)
-                    bits = None
-                    break
-                bits |= self._text_row(sub)
+            subs = [dfa.position_key(p) for p in positions.tolist()]
+            extra = sum(sub not in self._text for sub in subs) - 1  # walks past the one a walk of key costs
+            if key not in subs and extra <= self._credit:
+                self._credit -= extra  # a state whose positions' rows are all known earns one
+                bits = np.zeros(self.walk.words, dtype=np.int32)
+                for sub in subs:
+                    bits |= self._text_row(sub)
         if bits is None:
             bits = _pack_row(self.walk.allowed(dfa, dfa.slot(key), eos=False))
             self.walked += 1
