@@ -29,6 +29,11 @@ from .regex import CharNFA, paused_gc
 MAX_SET = 50_000
 
 
+#: Sets of at most this many positions find their moves through per-position lists, larger ones
+#: through one array gather (:meth:`ByteNFA.moves`).
+SMALL_SET = 32
+
+
 class TooLarge(ValueError):
     """A limit on work or memory was reached (the message names it and the way out)."""
 
@@ -344,12 +349,16 @@ class ByteNFA:
         ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`); bytes in no
         interval lead nowhere."""
         pos = np.asarray(positions, dtype=np.int64)
-        states = pos[pos < self.n]
-        off, r_lo, r_hi, r_tg = self._state_edges()
-        first, count = off[states], off[states + 1] - off[states]
-        k = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(count) - count), count)
-        lo, hi, tg = r_lo[k], r_hi[k], r_tg[k]
-        inner = [e for p in pos[pos >= self.n].tolist() for e in self.edges(p)]
+        if len(pos) <= SMALL_SET:  # a few positions: their cached edge lists (numpy calls cost more)
+            lo = hi = tg = np.zeros(0, dtype=np.int64)
+            inner = [e for p in pos.tolist() for e in self.edges(p)]
+        else:
+            states = pos[pos < self.n]
+            off, r_lo, r_hi, r_tg = self._state_edges()
+            first, count = off[states], off[states + 1] - off[states]
+            k = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(count) - count), count)
+            lo, hi, tg = r_lo[k], r_hi[k], r_tg[k]
+            inner = [e for p in pos[pos >= self.n].tolist() for e in self.edges(p)]
         if inner:
             arr = np.array(inner, dtype=np.int64)
             lo, hi, tg = np.concatenate([lo, arr[:, 0]]), np.concatenate([hi, arr[:, 1]]), np.concatenate([tg, arr[:, 2]])
