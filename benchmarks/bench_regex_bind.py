@@ -3,10 +3,19 @@
 Each (checkout, pattern) runs in a fresh process: import the package from the checkout, read the
 vocabulary, warm the Unicode class tables (`\\w`, `\\s`, `\\d`: read off `re` once per process),
 then time `Regex(pattern)` and `.bind(...)` (the first mask included) and read the peak RSS added
-(the peak RSS, reset just before, minus the RSS before). The checkouts alternate per pattern. A process past
+(the peak RSS, reset just before, minus the RSS before), and the process's CPU time for both
+(`cpu`: on a shared machine the wall times include waiting for a core; the CPU time much less). The checkouts alternate per pattern. A process past
 `--timeout` seconds or `--mem-mb` of address space is reported as such.
 
     .venv/bin/python benchmarks/bench_regex_bind.py --vocab demo --vocab 32k --against /path/to/old/checkout
+
+`--steps` measures the time per step instead: `lm.smc` on the demo model (one process, one engine)
+under each pattern and under `[a-z ]+`, N particles, T tokens, the patterns alternating within
+each repetition, repetition r seeded r. It prints each pattern's time per step against `[a-z ]+`'s
+in the same repetition (the first repetition, which binds the pattern and makes its states and
+mask rows, apart from the later ones, which mostly reuse them) and `stats["constraint_s"]` per step.
+
+    .venv/bin/python benchmarks/bench_regex_bind.py --steps --reps 4
 """
 
 from __future__ import annotations
@@ -47,13 +56,13 @@ def rss(field):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak RSS (VmHWM) starts again from the RSS now
 before = rss("VmRSS:")
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 r = Regex(pattern)
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 bound = r.bind(vocab, eos, len(vocab), cache)
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 peak = rss("VmHWM:")
-print(json.dumps({"compile_s": t1 - t0, "bind_s": t2 - t1, "added_mb": max(0, peak - before) / 2**20,
+print(json.dumps({"compile_s": t1 - t0, "bind_s": t2 - t1, "cpu_s": c2 - c0, "added_mb": max(0, peak - before) / 2**20,
                   "engine": type(bound).__name__, "vocab": len(vocab)}))
 """
 
@@ -71,6 +80,59 @@ def run(root: str, pattern: str, vocab: str, timeout: float, mem_mb: int) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+BASE = r"[a-z ]+"
+
+
+def steps(patterns: list[str], n: int, t: int, reps: int) -> None:
+    """The ``--steps`` mode (see the module docstring)."""
+    import asyncio
+    import statistics
+    import time
+
+    import genlm_vlm
+    from genlm_vlm import AsyncVirtualLM
+    from genlm_vlm.smc import Regex
+
+    lm = AsyncVirtualLM.from_name(genlm_vlm.demo_model_path())
+    tok = lm.tokenizer
+    prompt = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok.encode(
+        "Write a line of text:\n", add_special_tokens=False)
+    loop = asyncio.new_event_loop()
+    names = [BASE] + [p for p in patterns if p != BASE]
+    # per run: (wall s/step, CPU s/step, constraint s/step, steps)
+    got: dict[str, list[tuple[float, float, float, int]]] = {p: [] for p in names}
+    for rep in range(reps):
+        for p in names:
+            lm.clear_cache()
+            t0, c0 = time.perf_counter(), time.process_time()
+            r = loop.run_until_complete(lm.smc(prompt, Regex(p), n, t, seed=rep))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            k = max(1, r.stats["steps"])
+            got[p].append((wall / k, cpu / k, r.stats["constraint_s"] / k, r.stats["steps"]))
+            print(f"  rep {rep} {p[:26]:26} {1e3 * wall / k:8.2f} ms/step, CPU {1e3 * cpu / k:8.2f} ms/step, "
+                  f"constraint {1e3 * got[p][-1][2]:7.2f} ms/step, {r.stats['steps']} steps", flush=True)
+        with open("/proc/loadavg") as f:
+            print(f"repetition {rep} done, load average {f.read().split()[:3]}", flush=True)
+    print(f"\nlm.smc, demo model, N = {n}, T = {t}; per step: wall ms and the process's CPU ms (every thread), "
+          f"each as a ratio to {BASE!r} in the same repetition, and constraint_s in ms")
+    print(f"{'pattern':26} | first: {'wall':>8} {'ratio':>5} {'cpu':>8} {'ratio':>5} {'constr':>7} | "
+          f"later: {'wall':>8} {'ratio':>5} {'cpu':>8} {'ratio':>5} {'constr':>7} | steps")
+
+    def cells(runs: list[tuple[float, float, float, int]], base: list[tuple[float, float, float, int]]) -> str:
+        if not runs:
+            return " " * 46
+        wall = statistics.median(x[0] for x in runs)
+        cpu = statistics.median(x[1] for x in runs)
+        rw = statistics.median(x[0] / b[0] for x, b in zip(runs, base, strict=True))
+        rc = statistics.median(x[1] / b[1] for x, b in zip(runs, base, strict=True))
+        cs = statistics.median(x[2] for x in runs)
+        return f"{1e3 * wall:8.2f} {rw:5.2f} {1e3 * cpu:8.2f} {rc:5.2f} {1e3 * cs:7.2f}"
+
+    for p in names:
+        print(f"{p[:26]:26} | first: {cells(got[p][:1], got[BASE][:1])} | later: {cells(got[p][1:], got[BASE][1:])} | "
+              f"{'/'.join(str(x[3]) for x in got[p])}", flush=True)
+
+
 def main() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,11 +141,21 @@ def main() -> None:
     ap.add_argument("--pattern", action="append", help="patterns (default: issue 48's)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--mem-mb", type=int, default=6144, help="address-space cap per process (0: none)")
+    ap.add_argument("--steps", action="store_true", help="time per step of lm.smc instead (see the docstring)")
+    ap.add_argument("--n", type=int, default=64, help="--steps: particles")
+    ap.add_argument("--t", type=int, default=48, help="--steps: max_tokens")
+    ap.add_argument("--reps", type=int, default=4, help="--steps: repetitions (the first binds)")
     args = ap.parse_args()
+    if args.steps:
+        sys.path.insert(0, here)  # this checkout's package
+        with open("/proc/loadavg") as f:
+            print(f"load average at start: {f.read().split()[:3]}")
+        steps(args.pattern or PATTERNS, args.n, args.t, args.reps)
+        return
     roots = {"this": here} | ({"against": os.path.abspath(args.against)} if args.against else {})
     with open("/proc/loadavg") as f:
         print(f"load average at start: {f.read().split()[:3]}")
-    print(f"{'vocab':6} {'pattern':26} {'build':8} {'compile':>9} {'bind':>9} {'added':>8}  engine")
+    print(f"{'vocab':6} {'pattern':26} {'build':8} {'compile':>9} {'bind':>9} {'cpu':>9} {'added':>8}  engine")
     for vocab in args.vocab or ["demo"]:
         for pattern in args.pattern or PATTERNS:
             for name, root in roots.items():
@@ -92,6 +164,7 @@ def main() -> None:
                     print(f"{vocab:6} {pattern[:26]:26} {name:8} {got['error']}", flush=True)
                     continue
                 print(f"{vocab:6} {pattern[:26]:26} {name:8} {1e3 * got['compile_s']:7.1f}ms {1e3 * got['bind_s']:7.1f}ms "
+                      f"{1e3 * got.get('cpu_s', float('nan')):7.1f}ms "
                       f"{got['added_mb']:6.1f}MB  {got['engine']}", flush=True)
     with open("/proc/loadavg") as f:
         print(f"load average at end: {f.read().split()[:3]}")

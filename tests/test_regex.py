@@ -133,6 +133,20 @@ def test_token_automaton_masks_are_the_dfa_walked_token_by_token(pattern: str) -
     assert check_masks_by_walking(auto, vocab, width, rng, 60, 8) >= 200
 
 
+def test_states_of_few_positions_share_their_positions_rows() -> None:
+    """``(a|b)*a(a|b){15}``'s DFA has 65,536 states over a few dozen NFA positions: a state of few
+    positions gets its mask row as the union of its positions' own rows, so walks through
+    hundreds of states walk the vocabulary about once per position, and every mask still equals
+    the DFA walked token by token (EOS where it accepts)."""
+    rng = random.Random(7)
+    words = {"".join(rng.choice("ab") for _ in range(rng.randrange(2, 7))) for _ in range(80)}
+    vocab = [b""] + sorted({w.encode() for w in words} | {b"a", b"b", b"c", b"ab\n", b"bc"})
+    auto = Regex(r"(a|b)*a(a|b){15}").bind(vocab, [0], len(vocab), {})
+    assert check_masks_by_walking(auto, vocab, len(vocab), rng, 30, 12) >= 300
+    masks = auto.masks_table
+    assert masks.filled >= 200 and masks.walked <= 40, (masks.filled, masks.walked)
+
+
 def test_refusals_name_the_construct_and_the_way_out() -> None:
     cases = {
         r"a\b": "word boundary", r"(a)\1": "back-reference", r"(?=a)a": "look-ahead", r"(?!a)b": "look-around",

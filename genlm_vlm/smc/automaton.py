@@ -46,6 +46,13 @@ if TYPE_CHECKING:
 MASK_BYTES = 64 << 20
 #: Past this many tokens still walking, a fill keeps only the live ones for the next byte.
 COMPACT_ABOVE = 8192
+#: A state of 2 to this many NFA positions gets its text tokens as the union of its positions'
+#: (:meth:`TokenMasks._text_row`); larger ones are walked.
+SPLIT_MAX = 64
+#: Walks the position unions may spend before they have saved any (see :meth:`TokenMasks._text_row`).
+SPLIT_CREDIT = 8
+#: Bytes of the per-position rows (:meth:`TokenMasks._text_row`) one table keeps.
+TEXT_ROW_BYTES = 16 << 20
 
 
 class TokenWalk:
@@ -73,9 +80,9 @@ class TokenWalk:
         self.width = width
         self.words = (width + 31) // 32
 
-    def allowed(self, dfa: LazyDFA, slot: int) -> np.ndarray:
+    def allowed(self, dfa: LazyDFA, slot: int, eos: bool = True) -> np.ndarray:
         """Bool ``[32 * words]``: the tokens that may come next in the DFA state in ``slot``
-        (the caller holds ``dfa.lock``)."""
+        (the caller holds ``dfa.lock``); ``eos=False``: the text tokens only."""
         cur = np.full(len(self.ids), slot, dtype=np.int64)
         alive: np.ndarray | None = None  # positions still walking (None: all), ascending
         for col in self.columns:
@@ -92,7 +99,7 @@ class TokenWalk:
             alive = a[cur[a] != 0]
         mask = np.zeros(32 * self.words, dtype=bool)
         mask[self.ids[cur != 0]] = True
-        if dfa.accept[slot]:
+        if eos and dfa.accept[slot]:
             mask[self.eos] = True
         return mask
 
@@ -124,6 +131,12 @@ class TokenMasks:
         #: brought up to date (None: copy it whole).
         self._on: dict[Any, torch.Tensor] = {}
         self._stale: dict[Any, set[int] | None] = {}
+        #: Packed text-token rows (no EOS) by state key, least recently used first (:meth:`_text_row`).
+        self._text: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._text_max = max(64, TEXT_ROW_BYTES // (4 * walk.words))
+        self.walked = 0  # vocabulary walks (a row made from its positions' rows needs none)
+        #: Walks the position unions may still spend past the walks they saved (see :meth:`_text_row`).
+        self._credit = SPLIT_CREDIT
 
     def gather(self, states: Sequence[bytes], words: int, device: Any = None) -> tuple[torch.Tensor, np.ndarray]:
         """The bitmask rows of ``states`` (DFA state keys; ``int32 [len(states), words]``, a new
@@ -193,16 +206,56 @@ class TokenMasks:
                 self.evicted += 1
         row = self._free.pop()
         if key:
-            mask = self.walk.allowed(self.dfa, self.dfa.slot(key))
+            bits = self._text_row(key).copy()
+            if self.dfa.accepts(key) and len(self.walk.eos):
+                eos = np.zeros(32 * self.walk.words, dtype=bool)
+                eos[self.walk.eos] = True
+                bits |= _pack_row(eos)
         else:  # the dead state: nothing
-            mask = np.zeros(32 * self.walk.words, dtype=bool)
-        self._rows[row] = torch.from_numpy(_pack_row(mask))
-        self._counts[row] = int(mask.sum())
+            bits = np.zeros(self.walk.words, dtype=np.int32)
+        self._rows[row] = torch.from_numpy(bits)
+        self._counts[row] = int(np.bitwise_count(bits.view(np.uint32)).sum())
         self._where[key] = row
         self.filled += 1
         for stale in self._stale.values():
             if stale is not None:
                 stale.add(row)
+
+
+    def _text_row(self, key: bytes) -> np.ndarray:
+        """The packed row of the text tokens (EOS aside) that may come next in the live state
+        ``key`` (under the locks). A token's bytes lead a set of NFA positions somewhere live
+        exactly when they lead one of its positions somewhere live (moves and epsilon closures
+        are unions over positions, and a state keeps live positions only), so a state of
+        :data:`SPLIT_MAX` positions or fewer gets the union of the rows of its positions' own
+        states (``closure({p})``, each a subset of it): states that differ only in which
+        positions they combine (``(a|b)*a(a|b){15}`` has 65,536 of them over 34 positions)
+        share their work. Larger states, one-position states and states equal to a position's
+        own are walked (:meth:`TokenWalk.allowed`). So is a state whose union needs more new
+        walks than the unions saved so far plus :data:`SPLIT_CREDIT`: where states rarely share
+        positions, the unions cost at most that many walks more than walking every state."""
+        got = self._text.get(key)
+        if got is not None:
+            self._text.move_to_end(key)
+            return got
+        dfa = self.dfa
+        positions = dfa.positions(key)
+        bits: np.ndarray | None = None
+        if 1 < len(positions) <= SPLIT_MAX:
+            subs = [dfa.position_key(p) for p in positions.tolist()]
+            extra = sum(sub not in self._text for sub in subs) - 1  # walks past the one a walk of key costs
+            if key not in subs and extra <= self._credit:
+                self._credit -= extra  # a state whose positions' rows are all known earns one
+                bits = np.zeros(self.walk.words, dtype=np.int32)
+                for sub in subs:
+                    bits |= self._text_row(sub)
+        if bits is None:
+            bits = _pack_row(self.walk.allowed(dfa, dfa.slot(key), eos=False))
+            self.walked += 1
+        self._text[key] = bits
+        while len(self._text) > self._text_max:
+            self._text.popitem(last=False)
+        return bits
 
 
 class BoundAutomaton(BoundConstraint):

@@ -29,6 +29,11 @@ from .regex import CharNFA, paused_gc
 MAX_SET = 50_000
 
 
+#: Sets of at most this many positions find their moves through per-position lists, larger ones
+#: through one array gather (:meth:`ByteNFA.moves`).
+SMALL_SET = 32
+
+
 class TooLarge(ValueError):
     """A limit on work or memory was reached (the message names it and the way out)."""
 
@@ -108,77 +113,106 @@ def _trie(key, sequences) -> ByteTrie:  # noqa: ANN001 - private helper
     return got
 
 
-def _pass_through(eps: list[list[int]], arc_counts: np.ndarray, finals: frozenset[int]) -> list[int]:
+def _pass_through(n: int, src: np.ndarray, dst: np.ndarray, arc_counts: np.ndarray,
+                  is_final: np.ndarray) -> np.ndarray:
     """``fwd[s]``: the state an epsilon move into ``s`` may go to directly, past states that only
     pass on (no arcs, not final, one epsilon move: a regex's automaton is two thirds such states,
-    which every closure would walk through)."""
-    n = len(eps)
-    lone = np.fromiter(map(len, eps), dtype=np.int64, count=n) == 1
-    passes = (lone & (arc_counts == 0)).tolist()
-    for f in finals:
-        passes[f] = False
-    fwd = [-1] * n
-    for s0 in range(n):
-        if fwd[s0] >= 0:
-            continue
-        path: list[int] = []
-        on: set[int] = set()
-        s = s0
-        while fwd[s] < 0 and passes[s] and s not in on:
-            on.add(s)
-            path.append(s)
-            s = eps[s][0]
-        target = fwd[s] if fwd[s] >= 0 else s  # s: a state that does something, or on an epsilon cycle
-        for p in path:
-            fwd[p] = target
-        if fwd[s] < 0:
-            fwd[s] = s
+    which every closure would walk through). ``src``/``dst``: the distinct epsilon moves. A chain
+    of such states ending on an epsilon cycle of them ends on one of the cycle's states."""
+    passes = (np.bincount(src, minlength=n) == 1) & (arc_counts == 0) & ~is_final
+    fwd = np.arange(n, dtype=np.int64)
+    one = passes[src]
+    fwd[src[one]] = dst[one]
+    for _ in range(max(1, n.bit_length() + 1)):  # pointer doubling: fwd^(2^k), 2^k >= n at the end
+        nxt = fwd[fwd]
+        if np.array_equal(nxt, fwd):
+            break
+        fwd = nxt
     return fwd
+
+
+def _csr(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[list[int], list[int]]:
+    """Moves as ``(targets, offsets)`` lists: state ``s``'s are ``targets[offsets[s]:offsets[s + 1]]``."""
+    order = np.argsort(src, kind="stable")
+    off = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))])
+    return dst[order].tolist(), off.tolist()
 
 
 class ByteNFA:
     """A nondeterministic automaton over bytes: ``eps[s]`` the states ``s`` moves to without
     input, ``arcs[s]`` its ``(trie, next state)`` arcs (the trie's byte sequences lead from ``s``
     to the next state), one ``start``, a set of ``finals``. See the module docstring for
-    positions."""
+    positions. Held as arrays (:meth:`from_chars` reads a :class:`~.regex.CharNFA`'s directly)."""
 
     def __init__(self, eps: list[list[int]], arcs: Sequence[Sequence[tuple[ByteTrie, int]]], start: int,
                  finals: Iterable[int], all_live: bool = False) -> None:
-        n = self.n = len(eps)
-        self.finals = frozenset(finals)
-        kept = [[(trie, t) for trie, t in out if trie.edges[0]] for out in arcs]
-        counts = np.fromiter(map(len, kept), dtype=np.int64, count=n)
-        fwd = _pass_through(eps, counts, self.finals)
-        self.eps = [list(dict.fromkeys([fwd[t] for t in e])) if e else e for e in eps]
-        self.start = fwd[start]
-        kept = [[(trie, fwd[t]) for trie, t in out] for out in kept]
-        flat = list(itertools.chain.from_iterable(kept))
-        self.arc_trie: list[ByteTrie] = [trie for trie, _ in flat]
-        self.arc_target: list[int] = [t for _, t in flat]
-        first = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        flat_eps = [x for s, out in enumerate(eps) for t in out for x in (s, t)]
+        tries: list[ByteTrie] = []
+        number: dict[int, int] = {}
+        flat_arcs: list[int] = []
+        for s, out in enumerate(arcs):
+            for trie, t in out:
+                i = number.get(id(trie))
+                if i is None:
+                    i = number[id(trie)] = len(tries)
+                    tries.append(trie)
+                flat_arcs += (s, i, t)
+        self._build(len(eps), np.array(flat_eps, dtype=np.int64).reshape(-1, 2),
+                    np.array(flat_arcs, dtype=np.int64).reshape(-1, 3), tries, start, finals, all_live)
+
+    def _build(self, n: int, eps: np.ndarray, arcs: np.ndarray, tries: list[ByteTrie], start: int,
+               finals: Iterable[int], all_live: bool) -> None:
+        """``eps``: int ``[k, 2]`` (from, to); ``arcs``: int ``[m, 3]`` (from, trie index, to)."""
+        self.n = n
+        self.finals = frozenset(int(f) for f in finals)
+        is_final = self.is_final = np.zeros(n, dtype=bool)
+        is_final[list(self.finals)] = True
+        if len(arcs):
+            arcs = arcs[np.array([bool(t.edges[0]) for t in tries], dtype=bool)[arcs[:, 1]]]
+        counts = np.bincount(arcs[:, 0], minlength=n)
+        pairs = np.unique(eps[:, 0] * n + eps[:, 1]) if len(eps) else np.zeros(0, dtype=np.int64)
+        src, dst = pairs // max(n, 1), pairs % max(n, 1)
+        fwd = _pass_through(n, src, dst, counts, is_final)
+        met = np.zeros(n, dtype=bool)
+        met[fwd] = True  # the states a move may lead to (no state that only passes on, cycles aside)
+        dst = fwd[dst]
+        keep = met[src] & (dst != src)
+        pairs = np.unique(src[keep] * n + dst[keep])
+        src, dst = pairs // max(n, 1), pairs % max(n, 1)
+        self._eps = (src, dst)  # the distinct epsilon moves (for the digest)
+        self.start = int(fwd[start])
+        order = np.argsort(arcs[:, 0], kind="stable")
+        targets = fwd[arcs[order, 2]]
+        self.arc_trie: list[ByteTrie] = [tries[i] for i in arcs[order, 1].tolist()]
+        self.arc_target: list[int] = targets.tolist()
+        self._arcs = (arcs[order, 0], arcs[order, 1], targets, tries)  # from, trie index, to; the tries
         #: The arc numbers of state ``s``: ``range(arc_first[s], arc_first[s + 1])``.
-        self.arc_first: list[int] = first
+        self.arc_first: list[int] = np.concatenate([[0], np.cumsum(counts)]).tolist()
         self.width = max((len(t.edges) for t in set(self.arc_trie)), default=1)
-        self.is_final = np.zeros(n, dtype=bool)
-        self.is_final[list(self.finals)] = True
-        self.important: list[bool] = ((counts > 0) | self.is_final).tolist()
         if all_live:
             self.live = [True] * n
         else:
-            self.live = self._coreachable(np.repeat(np.arange(n), counts).tolist())
+            self.live = self._coreachable(np.concatenate([src, arcs[order, 0]]), np.concatenate([dst, targets]))
+        self._live = np.array(self.live, dtype=bool)
+        self._important = (counts > 0) | is_final
+        good = self._live[src] & self._live[dst]
+        to, off = _csr(src[good], dst[good], n)
+        #: ``_succ[s]``: the live states ``s`` moves to without input (``s`` live).
+        self._succ: list[list[int]] = [to[a:b] for a, b in zip(off[:-1], off[1:], strict=True)]
         top = n + len(self.arc_trie) * self.width
         self.dtype = np.int32 if top < 2**31 else np.int64
         self._edges: dict[int, list[tuple[int, int, int]]] = {}
+        self._roots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._digest: bytes | None = None
 
     @classmethod
     def from_chars(cls, nfa: CharNFA) -> ByteNFA:
         """The UTF-8 reading of a code point automaton (one trie per distinct code point set)."""
         with paused_gc():
-            tries: dict[int, ByteTrie] = {}  # by the set's id: a repeat's copies share their sets
-            arcs = [[(tries.get(id(r)) or tries.setdefault(id(r), utf8_trie(r)), t) for r, t in out]
-                    for out in nfa.arcs]
-            return cls(nfa.eps, arcs, nfa.start, [nfa.final], nfa.all_live)
+            self = cls.__new__(cls)
+            self._build(nfa.n, nfa.eps, nfa.arcs, [utf8_trie(r) for r in nfa.sets], nfa.start, [nfa.final],
+                        nfa.all_live)
+            return self
 
     @classmethod
     def from_byte_arcs(cls, eps: list[list[int]], arcs: Sequence[Sequence[tuple[int, int, int]]], start: int,
@@ -190,7 +224,9 @@ class ByteNFA:
         """A digest of the automaton's structure (equal automata, equal digests)."""
         if self._digest is None:
             h = hashlib.blake2b(digest_size=16)
-            h.update(repr((self.n, self.start, sorted(self.finals), self.eps, self.arc_first)).encode())
+            h.update(repr((self.n, self.start, sorted(self.finals), self.arc_first)).encode())
+            h.update(self._eps[0].astype(np.int64).tobytes())
+            h.update(self._eps[1].astype(np.int64).tobytes())
             number: dict[int, int] = {}  # each distinct trie numbered in order of first use
             tries: list[ByteTrie] = []
             for t in self.arc_trie:
@@ -208,24 +244,48 @@ class ByteNFA:
         state["_edges"] = {}  # a cache: made again
         return state
 
-    def _coreachable(self, sources: list[int]) -> list[bool]:
-        """Whether each state can reach a final state (epsilon moves and arcs, backwards)."""
-        rev: list[list[int]] = [[] for _ in range(self.n)]
-        for s, out in enumerate(self.eps):
-            for t in out:
-                rev[t].append(s)
-        for s, t in zip(sources, self.arc_target, strict=True):
-            rev[t].append(s)
+    def _coreachable(self, src: np.ndarray, dst: np.ndarray) -> list[bool]:
+        """Whether each state can reach a final state along the moves ``src -> dst`` (epsilon
+        moves and arcs), searched backwards."""
+        back, off = _csr(dst, src, self.n)
         good = [False] * self.n
         todo = list(self.finals)
         for f in todo:
             good[f] = True
         while todo:
-            for s in rev[todo.pop()]:
-                if not good[s]:
-                    good[s] = True
-                    todo.append(s)
+            s = todo.pop()
+            for t in back[off[s]:off[s + 1]]:
+                if not good[t]:
+                    good[t] = True
+                    todo.append(t)
         return good
+
+    def _state_edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The byte moves of every state position (``p < n``: its arcs' tries' roots), toward
+        live positions, as arrays: state ``s``'s are ``offsets[s]:offsets[s + 1]`` of ``(low,
+        high, next position)``. Made on first use."""
+        if self._roots is None:
+            src, trie_of, targets, tries = self._arcs
+            n = self.n
+            root_lo, root_hi, root_child, root_count = [], [], [], []
+            for t in tries:
+                root = t.edges[0]
+                root_count.append(len(root))
+                for lo, hi, c in root:
+                    root_lo.append(lo)
+                    root_hi.append(hi)
+                    root_child.append(c)
+            r_off = np.concatenate([[0], np.cumsum(root_count)]).astype(np.int64)
+            count = np.asarray(root_count, dtype=np.int64)[trie_of] * self._live[targets]
+            arc = np.repeat(np.arange(len(src), dtype=np.int64), count)
+            k = np.arange(len(arc), dtype=np.int64) + np.repeat(r_off[trie_of] - (np.cumsum(count) - count), count)
+            lo = np.asarray(root_lo, dtype=np.int64)[k]
+            hi = np.asarray(root_hi, dtype=np.int64)[k]
+            child = np.asarray(root_child, dtype=np.int64)[k]
+            tg = np.where(child < 0, targets[arc], n + arc * self.width + child)
+            off = np.concatenate([[0], np.cumsum(np.bincount(src[arc], minlength=n))]).astype(np.int64)
+            self._roots = (off, lo, hi, tg)
+        return self._roots
 
     def edges(self, p: int) -> list[tuple[int, int, int]]:
         """Position ``p``'s byte moves ``(low, high, next position)``, toward live positions only."""
@@ -252,31 +312,35 @@ class ByteNFA:
         """The sorted positions (states with arcs or final, and points inside arcs) reached from
         ``targets`` by epsilon moves, live ones only: a deterministic state's identity. Raises
         :class:`TooLarge` past :data:`MAX_SET` positions."""
-        n, eps, live = self.n, self.eps, self.live
+        n, succ, live = self.n, self._succ, self.live
         inside: set[int] = set()
         seen: set[int] = set()
-        todo: list[int] = []
         for p in targets:
             if p >= n:
                 inside.add(p)
-            elif live[p] and p not in seen:
+            elif live[p]:
                 seen.add(p)
-                todo.append(p)
+        todo = list(seen)
         while todo:
-            for t in eps[todo.pop()]:
-                if t not in seen and live[t]:
-                    seen.add(t)
-                    todo.append(t)
+            if len(todo) > 16:  # a wide front: one level at once, in C (set and chain operations)
+                front = set(itertools.chain.from_iterable(map(succ.__getitem__, todo)))
+                front -= seen
+                seen |= front
+                todo = list(front)
+            else:  # a narrow one (a long chain of moves): one state at a time
+                for t in succ[todo.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append(t)
             if len(seen) > MAX_SET:
                 raise TooLarge(
                     f"one state of its deterministic automaton holds more than {MAX_SET:,} positions of the "
                     "nondeterministic one (nested or overlapping repeats): write fewer nested optional repeats, "
                     "e.g. [a-z]{0,10000} for (?:[a-z]{0,100}){0,100}"
                 )
-        important = self.important
-        keep = [s for s in seen if important[s]]
-        keep.extend(inside)
-        out = np.array(keep, dtype=self.dtype)
+        states = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        out = np.concatenate([states[self._important[states]], np.fromiter(inside, dtype=np.int64, count=len(inside))])
+        out = out.astype(self.dtype)
         out.sort()
         return out
 
@@ -284,14 +348,23 @@ class ByteNFA:
         """The moves of a set of positions on every byte, as ``(x, y, targets)``: the bytes
         ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`); bytes in no
         interval lead nowhere."""
-        edges: list[tuple[int, int, int]] = []
-        for p in positions.tolist():
-            edges += self.edges(p)
-        if not edges:
+        pos = np.asarray(positions, dtype=np.int64)
+        if len(pos) <= SMALL_SET:  # a few positions: their cached edge lists (numpy calls cost more)
+            lo = hi = tg = np.zeros(0, dtype=np.int64)
+            inner = [e for p in pos.tolist() for e in self.edges(p)]
+        else:
+            states = pos[pos < self.n]
+            off, r_lo, r_hi, r_tg = self._state_edges()
+            first, count = off[states], off[states + 1] - off[states]
+            k = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(count) - count), count)
+            lo, hi, tg = r_lo[k], r_hi[k], r_tg[k]
+            inner = [e for p in pos[pos >= self.n].tolist() for e in self.edges(p)]
+        if inner:
+            arr = np.array(inner, dtype=np.int64)
+            lo, hi, tg = np.concatenate([lo, arr[:, 0]]), np.concatenate([hi, arr[:, 1]]), np.concatenate([tg, arr[:, 2]])
+        if not len(lo):
             return []
-        arr = np.array(edges, dtype=np.int64)
-        lo, hi, tg = arr[:, 0], arr[:, 1], arr[:, 2]
-        if len(arr) == 1:
+        if len(lo) == 1:
             return [(int(lo[0]), int(hi[0]) + 1, tg)]
         cuts = np.unique(np.concatenate([lo, hi + 1])).tolist()
         out = []

@@ -60,6 +60,7 @@ class LazyDFA:
         self.rows_made = 0
         self.evicted = 0
         self.seconds = 0.0  # spent making states and rows
+        self._single: dict[int, bytes] = {}
         t0 = time.perf_counter()
         self.start: bytes = self._key(self._closure([nfa.start]))
         self.seconds += time.perf_counter() - t0
@@ -74,6 +75,17 @@ class LazyDFA:
     @staticmethod
     def _key(positions: np.ndarray) -> bytes:
         return positions.tobytes()
+
+    def position_key(self, p: int) -> bytes:
+        """The key of the state of one position ``p`` of a made state (its epsilon closure: a
+        subset of every state that holds ``p``); cached."""
+        got = self._single.get(p)
+        if got is None:
+            got = self._key(self._closure([p]))
+            if len(self._single) >= 1 << 16:  # a bound on memory: made again when needed
+                self._single.clear()
+            self._single[p] = got
+        return got
 
     def positions(self, key: bytes) -> np.ndarray:
         """The NFA positions a key names."""

@@ -25,9 +25,11 @@ import contextlib
 import gc
 import re
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .charsets import ALL, CharsetError, Ranges, class_set, complement, literal_set, normalize
 
@@ -63,75 +65,106 @@ class RegexError(ValueError):
 
 
 # ------------------------------------------------------------------------------ the code point NFA
-def epsilon_closure(eps: Sequence[Sequence[int]], states: Iterable[int]) -> frozenset[int]:
-    """``states`` and every state reached from them by epsilon moves (``eps[s]``: the states
-    ``s`` moves to without input)."""
-    seen = set(states)
-    todo = list(seen)
-    while todo:
-        for t in eps[todo.pop()]:
-            if t not in seen:
-                seen.add(t)
-                todo.append(t)
-    return frozenset(seen)
-
-
 @dataclass
 class CharNFA:
-    """A nondeterministic automaton over code points: ``eps[s]`` the states ``s`` moves to
-    without input, ``arcs[s]`` its ``(code point ranges, next state)`` pairs; ``start`` and
-    ``final`` (one each)."""
+    """A nondeterministic automaton over code points, as arrays: states ``0..n-1``, ``eps`` its
+    epsilon moves (int64 ``[k, 2]``: from, to), ``arcs`` its character moves (int64 ``[m, 3]``:
+    from, the code point set's index in ``sets``, to); ``start`` and ``final`` (one each)."""
 
-    eps: list[list[int]]
-    arcs: list[list[tuple[Ranges, int]]]
+    n: int
+    eps: np.ndarray
+    arcs: np.ndarray
+    sets: list[Ranges]
     start: int
     final: int
     #: Whether every state can reach ``final`` (no empty character set in the pattern).
     all_live: bool = False
 
-    def closure(self, states: Iterable[int]) -> frozenset[int]:
-        """``states`` and every state their epsilon moves reach."""
-        return epsilon_closure(self.eps, states)
-
 
 class _Builder:
+    """Builds a :class:`CharNFA`: moves are appended to flat lists and flushed into numpy
+    chunks, so a repeat's copies are one array operation (:meth:`copies`), not a loop."""
+
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
-        self.eps: list[list[int]] = []
-        self.arcs: list[list[tuple[Ranges, int]]] = []
+        self.n = 0
+        self._eps: list[int] = []  # pending moves, flat: from, to, from, to, ...
+        self._arcs: list[int] = []  # pending: from, set, to, ...
+        self._eps_chunks: list[np.ndarray] = []
+        self._arc_chunks: list[np.ndarray] = []
+        self.sets: list[Ranges] = []
+        self._set_index: dict[Ranges, int] = {}
         self.dead_ends = False  # an empty character set (a state that cannot reach the end)
 
     def state(self) -> int:
         self.check(1)
-        self.eps.append([])
-        self.arcs.append([])
-        return len(self.eps) - 1
+        self.n += 1
+        return self.n - 1
 
     def check(self, more: int) -> None:
-        if len(self.eps) + more > MAX_NFA_STATES:
+        if self.n + more > MAX_NFA_STATES:
             raise RegexError(
                 f"its automaton passes {MAX_NFA_STATES:,} states (the limit on a pattern's size): "
                 "write a smaller repeat count, e.g. split a long {m} repeat or use * / + where any count will do"
             )
 
-    def copies(self, sub: list[Any], flags: int, at_start: bool, at_end: bool, count: int) -> list[tuple[int, int]]:
-        """``count`` copies of the fragment of ``sub`` (entry, exit each): built once, then its
-        states copied with their numbers shifted (a long repeat costs a list copy per state)."""
+    def eps(self, a: int, b: int) -> None:
+        self._eps += (a, b)
+
+    def eps_block(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._eps_chunks.append(np.stack([src, dst], axis=1).astype(np.int64))
+
+    def arc(self, a: int, chars: Ranges, b: int) -> None:
+        i = self._set_index.get(chars)
+        if i is None:
+            i = self._set_index[chars] = len(self.sets)
+            self.sets.append(chars)
+        self._arcs += (a, i, b)
+
+    def _flush(self) -> tuple[int, int]:
+        if self._eps:
+            self._eps_chunks.append(np.array(self._eps, dtype=np.int64).reshape(-1, 2))
+            self._eps.clear()
+        if self._arcs:
+            self._arc_chunks.append(np.array(self._arcs, dtype=np.int64).reshape(-1, 3))
+            self._arcs.clear()
+        return len(self._eps_chunks), len(self._arc_chunks)
+
+    @staticmethod
+    def _join(chunks: list[np.ndarray], width: int) -> np.ndarray:
+        return np.concatenate(chunks) if chunks else np.zeros((0, width), dtype=np.int64)
+
+    def finish(self, start: int, final: int) -> CharNFA:
+        self._flush()
+        return CharNFA(self.n, self._join(self._eps_chunks, 2), self._join(self._arc_chunks, 3), self.sets,
+                       start, final, not self.dead_ends)
+
+    def copies(self, sub: list[Any], flags: int, at_start: bool, at_end: bool,
+               count: int) -> tuple[int, int, int] | None:
+        """``count`` copies of the fragment of ``sub``: built once, then its moves copied with
+        the state numbers shifted (one array operation). Returns the first copy's entry and
+        exit and the fragment's size (copy ``i``'s states are the first's plus ``i * size``)."""
         if count <= 0:
-            return []
-        s0 = len(self.eps)
+            return None
+        s0 = self.n
+        e0, a0 = self._flush()
         x, y = self.seq(sub, flags, at_start, at_end)
-        eps = [list(e) for e in self.eps[s0:]]
-        arcs = [list(a) for a in self.arcs[s0:]]
-        size = len(eps)
+        size = self.n - s0
         self.check(size * (count - 1))  # refused before the copies are made
-        out = [(x, y)]
-        for _ in range(count - 1):
-            off = len(self.eps) - s0
-            self.eps.extend([[t + off for t in e] for e in eps])
-            self.arcs.extend([[(r, t + off) for r, t in a] for a in arcs])
-            out.append((x + off, y + off))
-        return out
+        if count > 1:
+            _e1, _a1 = self._flush()
+            shift = np.arange(1, count, dtype=np.int64) * size
+            eps = self._join(self._eps_chunks[e0:], 2)
+            if len(eps):
+                self._eps_chunks.append((eps[None] + shift[:, None, None]).reshape(-1, 2))
+            arcs = self._join(self._arc_chunks[a0:], 3)
+            if len(arcs):
+                more = np.repeat(arcs[None], count - 1, axis=0)
+                more[:, :, 0] += shift[:, None]
+                more[:, :, 2] += shift[:, None]
+                self._arc_chunks.append(more.reshape(-1, 3))
+            self.n += size * (count - 1)
+        return x, y, size
 
     def refuse(self, what: str, instead: str) -> RegexError:
         return RegexError(f"{what} is not supported (the text is matched whole, as re.fullmatch): {instead}")
@@ -144,7 +177,7 @@ class _Builder:
             first = at_start and all(empty[:i])
             last = at_end and all(empty[i + 1:])
             a, b = self.item(item, flags, first, last)
-            self.eps[cur].append(a)
+            self.eps(cur, a)
             cur = b
         return entry, cur
 
@@ -162,7 +195,7 @@ class _Builder:
                 chars = literal_set(av, flags, negate=op is _C.NOT_LITERAL)
             a, b = self.state(), self.state()
             if chars:
-                self.arcs[a].append((chars, b))
+                self.arc(a, chars, b)
             else:
                 self.dead_ends = True
             return a, b
@@ -173,32 +206,37 @@ class _Builder:
             a, b = self.state(), self.state()
             for alt in av[1]:
                 x, y = self.seq(list(alt), flags, at_start, at_end)
-                self.eps[a].append(x)
-                self.eps[y].append(b)
+                self.eps(a, x)
+                self.eps(y, b)
             return a, b
         if op in (_C.MAX_REPEAT, _C.MIN_REPEAT):  # lazy or greedy: the same language under fullmatch
             lo, hi, sub = av
             once = hi is not _C.MAXREPEAT and hi <= 1
             a = cur = self.state()
             bounded = hi is not _C.MAXREPEAT
-            parts = self.copies(list(sub), flags, at_start and once, at_end and once, hi if bounded else lo)
-            for x, y in parts[:lo]:
-                self.eps[cur].append(x)
-                cur = y
+            frag = self.copies(list(sub), flags, at_start and once, at_end and once, hi if bounded else lo)
+            if lo:  # the mandatory copies, chained
+                x, y, size = frag  # type: ignore[misc]
+                i = np.arange(lo, dtype=np.int64)
+                self.eps_block(np.concatenate([[cur], y + size * i[:-1]]), x + size * i)
+                cur = y + size * (lo - 1)
             if not bounded:
                 x, y = self.seq(list(sub), flags, False, False)
                 loop = self.state()
-                self.eps[cur].append(loop)
-                self.eps[loop].append(x)
-                self.eps[y].append(loop)
+                self.eps(cur, loop)
+                self.eps(loop, x)
+                self.eps(y, loop)
                 cur = loop
             else:
                 end = self.state()
-                for x, y in parts[lo:]:
-                    self.eps[cur].append(x)
-                    self.eps[cur].append(end)
-                    cur = y
-                self.eps[cur].append(end)
+                if hi > lo:  # the optional copies: each may be skipped to the end
+                    x, y, size = frag  # type: ignore[misc]
+                    i = np.arange(lo, hi, dtype=np.int64)
+                    before = np.concatenate([[cur], y + size * i[:-1]])
+                    self.eps_block(before, x + size * i)
+                    self.eps_block(before, np.full(len(i), end, dtype=np.int64))
+                    cur = y + size * (hi - 1)
+                self.eps(cur, end)
                 cur = end
             return a, cur
         if op is _C.AT:
@@ -263,7 +301,7 @@ def compile_regex(pattern: str) -> CharNFA:
     b = _Builder(pattern)
     with paused_gc():
         start, end = b.seq(list(parsed), flags, True, True)
-    nfa = CharNFA(b.eps, b.arcs, start, end, not b.dead_ends)
+        nfa = b.finish(start, end)
     with _compiled_lock:
         _compiled[pattern] = nfa
         while len(_compiled) > 256:
