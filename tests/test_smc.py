@@ -140,7 +140,7 @@ def test_a_burst_releases_the_sessions_it_resampled_away(llama_lm):
     prompt = _prompt(lm)
     lm.release_sessions()
     args = dict(seed=8, ess_threshold=1.0)  # resample at every step where weights differ
-    eng = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 24, **args)
+    eng = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 24, engine_path="bursts", **args)  # sessions: bursts only
     assert len(eng.resampled_at) >= 4
     assert eng.stats["sessions_released"] > 0
     assert lm.stats["sessions"]["idle"] <= 12
