@@ -368,9 +368,9 @@ class AsyncVirtualLM(SyncRows, ServingLM):
 
     async def run_controller(self, prompt_ids: TokenIds | None, controller: Any, *, lora_name: str | None = None,
                              start: Any = None, prompts: Any = None, engine_path: str = "auto") -> Any:
-        """Run a :class:`~genlm_vlm.smc.Controller` as a *burst* on the engine thread: each
-        engine step hands it the rows of its live particles and continues them with the tokens
-        it chose, with no trip through the event loop per token (see :mod:`genlm_vlm.smc`).
+        """Run a :class:`~genlm_vlm.smc.Controller` on the engine thread: each engine step hands
+        it the rows of its live particles and continues them with the tokens it chose, with no
+        trip through the event loop per token (see :mod:`genlm_vlm.smc`).
         Cancelling the await abandons the run's requests at the next engine step. ``prompts``:
         a product of prompts, as in :meth:`~genlm_vlm.AsyncLM.run_controller`.
         ``engine_path="requests"``: the particles decode as running requests whose tokens are

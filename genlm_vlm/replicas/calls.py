@@ -293,7 +293,7 @@ class CallMixin:
 
     async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
                              start: Any = None, engine_path: str = "auto") -> Any:
-        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica (``engine_path``:
+        """Run a :class:`~genlm_vlm.smc.Controller` in one replica's engine (``engine_path``:
         as on :class:`~genlm_vlm.AsyncVirtualLM`); the controller travels there and back by
         pickle (Ray's), so it must pickle before its first step."""
         from ..checks import check_engine_path
