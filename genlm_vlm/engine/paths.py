@@ -6,8 +6,7 @@ thread.
 * ``"requests"``: particles as running requests (:mod:`.particles`) wherever this engine and run
   allow it (:meth:`~.forcing.ParticleHost.refusal`); else a burst, with the reason.
 * ``"auto"`` (the default): the requests path where it is covered and was measured no slower than
-  bursts, bursts elsewhere (products of prompts, which measured slower there), with the reason
-  (:func:`auto_refusal`). The rule: a path never run
+  bursts, bursts elsewhere, with the reason (:func:`auto_refusal`). The rule: a path never run
   on a kind of device is never the silent default there, so on anything but vLLM's CPU build
   ``"auto"`` takes bursts until the requests path has been run and measured on that device.
 
@@ -27,11 +26,6 @@ if TYPE_CHECKING:
 #: ``stats["engine_path_fallback"]`` of an ``engine_path="auto"`` run on a GPU (or any device
 #: but the CPU build): the requests path has not been measured there.
 GPU_UNMEASURED = "requests path not yet measured on a GPU: pass engine_path='requests' to use it"
-#: ``stats["engine_path_fallback"]`` of an ``engine_path="auto"`` run on a product of prompts
-#: (``prompts=``): measured slower on the requests path than on bursts (docs/BENCHMARKS.md, ninth
-#: session: 0.42x on the demo model, N = 32).
-PRODUCT_SLOWER = ("a product of prompts (prompts=) was measured slower on the requests path than on bursts: "
-                  "pass engine_path='requests' to use it")
 
 
 def asked(job: Job) -> str:
@@ -50,11 +44,11 @@ def on_measured_device(host: Any) -> bool:
 
 def auto_refusal(host: Any, job: Job) -> str | None:
     """Why an ``engine_path="auto"`` run goes to bursts (None: it takes the requests path):
-    :data:`GPU_UNMEASURED` off the CPU build, :data:`PRODUCT_SLOWER` for a product of prompts,
-    else whatever keeps the requests path from this engine or run
-    (:meth:`~.forcing.ParticleHost.refusal`)."""
+    :data:`GPU_UNMEASURED` off the CPU build, else whatever keeps the requests path from this
+    engine or run (:meth:`~.forcing.ParticleHost.refusal`). Every case the requests path covers
+    on the CPU build was measured no slower there (docs/BENCHMARKS.md, ninth session), products
+    of prompts and lockstep at N > ``max_num_seqs`` included; a case measured slower would get
+    its rule and reason here."""
     if not on_measured_device(host):
         return GPU_UNMEASURED
-    if getattr(job.spec, "prompts", None) is not None:
-        return PRODUCT_SLOWER
     return host.refusal(job)
