@@ -264,7 +264,7 @@ class AsyncLM(ContinuationScoring, ABC):
         in_engine: bool = True,
         prompts: Sequence[TokenIds] | None = None,
         critic: Callable[[list[bytes]], Any] | None = None,
-        engine_path: str = "bursts",
+        engine_path: str = "auto",
         mask_overlap: bool = False,
     ) -> SMCResult:
         """Constrained SMC with the locally optimal proposal (:mod:`genlm_vlm.smc`).
@@ -276,7 +276,7 @@ class AsyncLM(ContinuationScoring, ABC):
         tokenizer's ``eos_token_id``) or ``max_tokens``; resampled (``resampling``) when the
         effective sample size falls below ``ess_threshold * n_particles`` (``force_eos`` and
         ``target_temperature``: genlm-control's conventions, docs/API.md). With ``seed`` the run
-        is reproducible wherever it runs: on an :class:`~genlm_vlm.AsyncVirtualLM` one *burst* on
+        is reproducible wherever it runs: on an :class:`~genlm_vlm.AsyncVirtualLM` one run on
         the engine thread (``in_engine=False``: per token in Python, the byte-identical reference);
         elsewhere per token in Python. Arguments are checked before any engine work. ``prompts``
         (with ``prompt_ids=None``): a product of prompts; ``critic``: a terminal critic, called once
@@ -284,8 +284,10 @@ class AsyncLM(ContinuationScoring, ABC):
         ``log_marginal`` estimates log P(a sample ends with EOS within ``max_tokens``, its text
         accepted); cut particles count zero (``log_marginal_cut``); none finished: ``-inf``,
         ``empty_reason`` and an :class:`~genlm_vlm.smc.EmptyPosteriorWarning` say why.
-        ``engine_path="requests"`` (experimental; default ``"bursts"``): particles as running vLLM
-        requests on an :class:`~genlm_vlm.AsyncVirtualLM` (docs/API.md); elsewhere a no-op.
+        ``engine_path`` (on an :class:`~genlm_vlm.AsyncVirtualLM`; elsewhere a no-op): ``"auto"``
+        (the default: particles as running vLLM requests where that path is covered and was
+        measured, bursts elsewhere), ``"requests"`` or ``"bursts"``; ``stats["engine_path"]`` says
+        which ran, ``stats["engine_path_fallback"]`` why not the requests path (docs/API.md).
         ``mask_overlap=True`` (experimental, meant for GPUs; default False): on the requests path,
         each step's constraint masks are computed on a worker thread while the engine runs the
         forward, from the tokens of the step before (the same masks, so the same run; an
@@ -310,7 +312,7 @@ class AsyncLM(ContinuationScoring, ABC):
 
     async def run_controller(self, prompt_ids: TokenIds | None, controller: Controller, *,
                              lora_name: str | None = None, start: Sequence[Sequence[int]] | None = None,
-                             prompts: Sequence[TokenIds] | None = None, engine_path: str = "bursts") -> Any:
+                             prompts: Sequence[TokenIds] | None = None, engine_path: str = "auto") -> Any:
         """Run a :class:`~genlm_vlm.smc.Controller` over particles that start at ``prompt_ids``
         (plus ``start[i]`` for particle ``i``) and return ``controller.result(...)``. Here: per
         token in Python (:func:`genlm_vlm.smc.drive`); :class:`~genlm_vlm.AsyncVirtualLM` runs

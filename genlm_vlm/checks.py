@@ -188,18 +188,19 @@ def check_flag(value: Any, what: str) -> bool:
     return value
 
 
-ENGINE_PATHS = ("bursts", "requests")
-"""The values of ``lm.smc(..., engine_path=...)``."""
+ENGINE_PATHS = ("auto", "bursts", "requests")
+"""The values of ``lm.smc(..., engine_path=...)`` (``"auto"``: the default)."""
 
 
 def check_engine_path(value: Any) -> str:
-    """``"bursts"`` (the default) or ``"requests"`` (particles as running requests, experimental):
-    a ``TypeError`` for another type, a ``ValueError`` for another string."""
+    """``"auto"`` (the default: the requests path where it is covered and measured, bursts
+    elsewhere), ``"bursts"`` or ``"requests"`` (particles as running requests): a ``TypeError``
+    for another type, a ``ValueError`` for another string."""
     if not isinstance(value, str):
-        raise TypeError(f"engine_path must be 'bursts' or 'requests' (a str), got {_shown(value)}")
+        raise TypeError(f"engine_path must be 'auto', 'bursts' or 'requests' (a str), got {_shown(value)}")
     if value not in ENGINE_PATHS:
-        raise ValueError(f"engine_path must be 'bursts' (the default) or 'requests' (particles as running "
-                         f"requests, experimental), got {value!r}")
+        raise ValueError(f"engine_path must be 'auto' (the default: the path measured fastest for the run), "
+                         f"'bursts' or 'requests' (particles as running requests), got {value!r}")
     return value
 
 

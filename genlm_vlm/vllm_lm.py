@@ -357,7 +357,7 @@ class AsyncVirtualLM(SyncRows, ServingLM):
     # ------------------------------------------------------------------ housekeeping
     # ------------------------------------------------------------------ controllers (genlm_vlm.smc)
     def _submit_burst(self, prompt_ids: Any, controller: Any, lora_name: str | None, start: Any,
-                      prompts: Any = None, engine_path: Any = "bursts") -> cf.Future:
+                      prompts: Any = None, engine_path: Any = "auto") -> cf.Future:
         from .smc.product import resolve_prompts
 
         self._check_open()
@@ -367,16 +367,19 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         return self._driver.submit_burst(prompt, controller, lora, start, prompts, path)
 
     async def run_controller(self, prompt_ids: TokenIds | None, controller: Any, *, lora_name: str | None = None,
-                             start: Any = None, prompts: Any = None, engine_path: str = "bursts") -> Any:
-        """Run a :class:`~genlm_vlm.smc.Controller` as a *burst* on the engine thread: each
-        engine step hands it the rows of its live particles and continues them with the tokens
-        it chose, with no trip through the event loop per token (see :mod:`genlm_vlm.smc`).
+                             start: Any = None, prompts: Any = None, engine_path: str = "auto") -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` on the engine thread: each engine step hands
+        it the rows of its live particles and continues them with the tokens it chose, with no
+        trip through the event loop per token (see :mod:`genlm_vlm.smc`).
         Cancelling the await abandons the run's requests at the next engine step. ``prompts``:
         a product of prompts, as in :meth:`~genlm_vlm.AsyncLM.run_controller`.
-        ``engine_path="requests"`` (experimental): the particles decode as running requests
-        whose tokens are forced inside vLLM's sampler (:mod:`genlm_vlm.engine.particles`); a run
-        that path does not cover yet runs as a burst, and ``stats["engine_path_fallback"]`` of an
-        SMC result (``lm.stats["particle_requests"]["fallbacks"]`` for any controller) says why."""
+        ``engine_path="requests"``: the particles decode as running requests whose tokens are
+        forced inside vLLM's sampler (:mod:`genlm_vlm.engine.particles`); a run that path does not
+        cover yet runs as a burst, and ``stats["engine_path_fallback"]`` of an SMC result
+        (``lm.stats["particle_requests"]["fallbacks"]`` for any controller) says why.
+        ``"auto"`` (the default) takes the requests path where it was measured (vLLM's CPU
+        build) and bursts elsewhere, with the reason (:mod:`genlm_vlm.engine.paths`);
+        ``"bursts"``: always a burst."""
         result = await asyncio.wrap_future(self._submit_burst(prompt_ids, controller, lora_name, start, prompts,
                                                               engine_path))
         if isinstance(getattr(result, "stats", None), dict):
@@ -393,7 +396,7 @@ class AsyncVirtualLM(SyncRows, ServingLM):
         from .smc.algorithm import warn_if_empty
 
         in_engine = check_flag(kwargs.pop("in_engine", True), "in_engine")
-        engine_path = check_engine_path(kwargs.pop("engine_path", "bursts"))
+        engine_path = check_engine_path(kwargs.pop("engine_path", "auto"))
         if not in_engine:
             return super().smc_sync(prompt_ids, constraint, n_particles, max_tokens, in_engine=False, **kwargs)
         lora_name = kwargs.get("lora_name")

@@ -151,8 +151,10 @@ def test_the_requests_path_adds_the_bursts_lane_and_its_checks():
     labels = [lane.label for lane in cell.lanes]
     assert labels[:2] == ["lm.smc", "lm.smc (bursts)"]
     assert cell.lanes[0].kwargs["engine_path"] == "requests"
-    assert "engine_path" not in cell.lanes[1].kwargs  # the default path
-    assert [lane.label for lane in plan(["smc"], [4], 8, "regex")[0].lanes][:2] == ["lm.smc", "python reference"]
+    assert cell.lanes[1].kwargs["engine_path"] == "bursts"
+    default = plan(["smc"], [4], 8, "regex")[0]  # lm.smc's own default (auto), no bursts lane
+    assert [lane.label for lane in default.lanes][:2] == ["lm.smc", "python reference"]
+    assert default.lanes[0].kwargs["engine_path"] == "auto"
     ok = {"wall_s": 1.0, "particle_steps": 32, "particles": 4, "fingerprint": "x", "engine_path": "requests"}
     runs = {"lm.smc": [{**ok, "engine_path": "bursts", "fallback": "a reason"}],
             "lm.smc (bursts)": [{**ok, "fingerprint": "z", "engine_path": "bursts"}],
@@ -161,6 +163,23 @@ def test_the_requests_path_adds_the_bursts_lane_and_its_checks():
     assert any("asked for engine_path='requests'" in p and "a reason" in p for p in problems)
     assert any("lm.smc (bursts) and the Python reference drew different" in p for p in problems)
     assert not any(p.startswith("smc N=4 rep 1: lm.smc and") for p in problems)
+    runs["lm.smc (bursts)"] = [{**ok, "engine_path": "requests"}]
+    problems = runner.check_cell(cell, runs, {"vllm decode": {"tokens_asked": 8}})
+    assert any("lm.smc (bursts) asked for engine_path='bursts'" in p for p in problems)
+    auto = {"lm.smc": [{**ok, "engine_path": "bursts", "fallback": "a reason"}], "python reference": [ok],
+            "vllm decode": [ok], "vllm structured": [ok]}
+    assert runner.check_cell(default, auto, {"vllm decode": {"tokens_asked": 8}}) == []  # auto: either path
+
+
+def test_the_product_cell_runs_two_prompts_on_every_lane():
+    cell = plan(["smc"], [4], 8, "regex", "requests", product=True)[0]
+    assert [lane.label for lane in cell.lanes] == ["lm.smc", "lm.smc (bursts)", "python reference", "vllm decode",
+                                                   "vllm structured"]
+    assert all(lane.kwargs.get("product") is True for lane in cell.lanes)
+    assert not any("product" in lane.kwargs for lane in plan(["smc"], [4], 8, "regex")[0].lanes)
+    args = cli._parser().parse_args(["--workloads", "smc", "--product", "--engine-path", "requests"])
+    assert args.product and args.engine_path == "requests"
+    assert cli._parser().parse_args([]).engine_path == "auto"
 
 
 def test_mask_overlap_adds_its_lane_and_its_checks():

@@ -313,7 +313,7 @@ async def test_a_bare_promptedllm_or_wrong_option_types_are_type_errors(gc, llm)
         (dict(fallback=1), "fallback must be True or False"),
         (dict(json_schema="yes"), "json_schema must be True or False"),
         (dict(in_engine=None), "in_engine must be True or False"),
-        (dict(engine_path=1), "engine_path must be 'bursts' or 'requests'"),
+        (dict(engine_path=1), "engine_path must be 'auto', 'bursts' or 'requests'"),
         (dict(resampling_method=None), "resampling_method must be a str"),
         (dict(critic=lambda texts: 0.0), "critic must be a genlm-control potential"),
     ]
@@ -325,7 +325,7 @@ async def test_a_bare_promptedllm_or_wrong_option_types_are_type_errors(gc, llm)
                               **args)
     with pytest.raises(ValueError, match="n_particles must be an int >= 1, got 0"):
         await control.smc(sampler, 0, 0.5, 4)
-    with pytest.raises(ValueError, match="engine_path must be 'bursts'"):
+    with pytest.raises(ValueError, match="engine_path must be 'auto'"):
         await control.smc(sampler, 4, 0.5, 4, engine_path="request")
     seqs = await control.smc(sampler, np.int64(4), np.float32(0.5), np.int32(4), seed=np.int64(1))  # numpy: fine
     assert len(seqs) == 4

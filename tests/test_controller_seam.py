@@ -264,7 +264,7 @@ async def test_case7_a_finished_run_releases_its_sessions(llama_lm):
     prompt = _prompt(lm)
     lm.release_sessions()
     released = lm.stats["bursts"]["sessions_released"]
-    r = await lm.smc(prompt, Regex("[a-z ]+"), 6, 8, seed=3)
+    r = await lm.smc(prompt, Regex("[a-z ]+"), 6, 8, seed=3, engine_path="bursts")  # sessions: bursts only
     s = lm.stats
     assert s["sessions"]["idle"] == 0 and s["sessions"]["live"] == 0
     assert r.stats["sessions_released"] >= 1
@@ -296,7 +296,7 @@ async def test_case7_a_session_another_caller_joined_is_kept(llama_lm):
             return decision
 
     ctl = Joined(3, 3, 2, before_last_round)
-    run = asyncio.ensure_future(lm.run_controller(prompt, ctl))
+    run = asyncio.ensure_future(lm.run_controller(prompt, ctl, engine_path="bursts"))  # a burst's sessions
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, ready.wait, TIMEOUT)
     [fut] = lm._driver.submit_logprobs([(seen["prefix"], None)])  # joins the run's request
@@ -332,7 +332,9 @@ async def test_an_exception_anywhere_in_a_run_fails_that_run_only(llama_lm, monk
 
     monkeypatch.setattr(Burst, point, injected)  # fires once: the later runs in _beside go through
     before = _faults(lm)["burst_errors"]
-    [got] = await _beside(lm, lm.run_controller(prompt, Argmax(3, 4)))
+    [got] = await _beside(lm, lm.run_controller(prompt, Argmax(3, 4), engine_path="bursts"))  # Burst's methods
+    later = await asyncio.wait_for(lm.run_controller(prompt, Argmax(3, 4), engine_path="bursts"), TIMEOUT)
+    assert later == await drive(lm, prompt, Argmax(3, 4))  # the next burst goes through
     assert calls["n"] > 1
     assert isinstance(got, RuntimeError) and f"injected at {point}" in str(got), got
     assert "genlm_vlm failed on the engine thread while" in str(got)

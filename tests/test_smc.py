@@ -99,22 +99,25 @@ CONSTRAINTS = {
 def test_engine_run_is_byte_identical_to_the_reference(lm, kind):
     prompt = _prompt(lm)
     steps0 = lm.stats["engine_steps"]
-    eng = lm.smc_sync(prompt, CONSTRAINTS[kind](), 12, 16, seed=11, ess_threshold=0.9)
+    eng = lm.smc_sync(prompt, CONSTRAINTS[kind](), 12, 16, seed=11, ess_threshold=0.9)  # the default path
     ref = lm.smc_sync(prompt, CONSTRAINTS[kind](), 12, 16, seed=11, ess_threshold=0.9, in_engine=False)
+    burst = lm.smc_sync(prompt, CONSTRAINTS[kind](), 12, 16, seed=11, ess_threshold=0.9, engine_path="bursts")
+    assert eng.stats["engine_path"] == "requests" and burst.stats["engine_path"] == "bursts"  # the CPU build
     assert eng.stats["where"] == "engine" and ref.stats["where"] == "python"
-    assert _fingerprint(eng) == _fingerprint(ref)
-    assert eng.log_marginal == ref.log_marginal and eng.log_marginal_cut == ref.log_marginal_cut
-    assert eng.empty_reason == ref.empty_reason
-    assert eng.ess == ref.ess and eng.resampled_at == ref.resampled_at
-    assert eng.posterior == ref.posterior
-    # one engine step per SMC step (no step spent waiting for the program)
-    assert eng.stats["engine_rounds"] == eng.stats["steps"]
-    assert lm.stats["engine_steps"] - steps0 >= eng.stats["steps"]
-    # where the run's time went on the engine thread, by part, and per round
-    spent, per = eng.stats["engine_time"], eng.stats["round_ms"]
-    assert spent["step_s"] > 0 and spent["route_s"] > 0 and spent["admit_s"] > 0
-    assert spent["admit_s"] + spent["route_s"] <= spent["host_s"] + 1e-6
-    assert per["step"] == pytest.approx(1e3 * spent["step_s"] / eng.stats["engine_rounds"], rel=1e-3, abs=1e-3)
+    for run in (eng, burst):
+        assert _fingerprint(run) == _fingerprint(ref)
+        assert run.log_marginal == ref.log_marginal and run.log_marginal_cut == ref.log_marginal_cut
+        assert run.empty_reason == ref.empty_reason
+        assert run.ess == ref.ess and run.resampled_at == ref.resampled_at
+        assert run.posterior == ref.posterior
+        # one engine step per SMC step (no step spent waiting for the program)
+        assert run.stats["engine_rounds"] == run.stats["steps"]
+        # where the run's time went on the engine thread, by part, and per round
+        spent, per = run.stats["engine_time"], run.stats["round_ms"]
+        assert spent["step_s"] > 0 and spent["route_s"] > 0 and spent["admit_s"] > 0
+        assert spent["admit_s"] + spent["route_s"] <= spent["host_s"] + 1e-6
+        assert per["step"] == pytest.approx(1e3 * spent["step_s"] / run.stats["engine_rounds"], rel=1e-3, abs=1e-3)
+    assert lm.stats["engine_steps"] - steps0 >= eng.stats["steps"] + burst.stats["steps"]
 
 
 def test_resampling_forks_and_temperature(llama_lm):
@@ -140,7 +143,7 @@ def test_a_burst_releases_the_sessions_it_resampled_away(llama_lm):
     prompt = _prompt(lm)
     lm.release_sessions()
     args = dict(seed=8, ess_threshold=1.0)  # resample at every step where weights differ
-    eng = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 24, **args)
+    eng = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 24, engine_path="bursts", **args)  # sessions: bursts only
     assert len(eng.resampled_at) >= 4
     assert eng.stats["sessions_released"] > 0
     assert lm.stats["sessions"]["idle"] <= 12

@@ -193,10 +193,10 @@ async def test_each_factor_continues_its_own_session(llama_lm):
     prompts = _prompts(lm)
     n, steps, start = 3, 5, [[40 + i] for i in range(3)]
     first = _Walk(n, 1)
-    await lm.run_controller(None, first, prompts=prompts, start=start)  # round one alone
+    await lm.run_controller(None, first, prompts=prompts, start=start, engine_path="bursts")  # round one alone
     before = lm.stats
     walk = _Walk(n, steps)
-    out = await lm.run_controller(None, walk, prompts=prompts, start=start)
+    out = await lm.run_controller(None, walk, prompts=prompts, start=start, engine_path="bursts")  # sessions
     after = lm.stats
     assert out == [[40 + i] + [20 + i] * steps for i in range(n)]
     k = len(prompts)

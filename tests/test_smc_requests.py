@@ -43,7 +43,7 @@ def test_requests_path_is_byte_identical_to_the_reference_and_the_burst(lm, ess)
     args = dict(seed=11, ess_threshold=ess)
     req = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, engine_path="requests", **args)
     ref = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, in_engine=False, **args)
-    burst = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, **args)
+    burst = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 12, 16, engine_path="bursts", **args)
     assert req.stats["engine_path"] == "requests" and req.stats["runner"] == "v1"
     assert "engine_path_fallback" not in req.stats
     assert burst.stats["engine_path"] == "bursts"
@@ -77,10 +77,42 @@ def test_forks_compute_their_partial_block_only(llama_lm):
 
 def test_engine_path_is_checked(llama_lm):
     prompt = _prompt(llama_lm)
-    with pytest.raises(ValueError, match="engine_path must be 'bursts'"):
+    with pytest.raises(ValueError, match="engine_path must be 'auto'"):
         llama_lm.smc_sync(prompt, Regex("[a-z]+"), 2, 2, engine_path="request")
-    with pytest.raises(TypeError, match="engine_path must be 'bursts' or 'requests'"):
+    with pytest.raises(TypeError, match="engine_path must be 'auto', 'bursts' or 'requests'"):
         asyncio.run(llama_lm.smc(prompt, Regex("[a-z]+"), 2, 2, engine_path=1))
+    with pytest.raises(ValueError, match="engine_path must be 'auto'"):
+        asyncio.run(llama_lm.run_controller(prompt, object(), engine_path="Auto"))
+
+
+def test_auto_takes_the_requests_path_on_the_cpu_build_and_bursts_on_a_gpu(llama_lm, monkeypatch):
+    """The default, ``"auto"``: the requests path on the CPU build (where it was measured), and
+    bursts, with the reason, on any other device until the path has run there; an explicit
+    ``"requests"`` is taken there all the same."""
+    from genlm_vlm.engine import paths
+
+    lm = llama_lm
+    prompt = _prompt(lm)
+    auto = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 6, seed=3)
+    assert auto.stats["engine_path"] == "requests" and "engine_path_fallback" not in auto.stats
+    bursts = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 6, seed=3, engine_path="bursts")
+    assert bursts.stats["engine_path"] == "bursts" and "engine_path_fallback" not in bursts.stats
+    _same(auto, bursts)
+    tok = lm.tokenizer
+    prompts = [prompt, [tok.bos_token_id, *tok.encode("hello world", add_special_tokens=False)]]
+    product = lm.smc_sync(None, Regex(r"[a-z ]+"), 4, 4, seed=3, prompts=prompts)
+    assert product.stats["engine_path"] == "requests" and "engine_path_fallback" not in product.stats
+    before = lm.stats["particle_requests"]["fallbacks"].get(paths.GPU_UNMEASURED, 0)
+    monkeypatch.setattr(paths, "on_measured_device", lambda host: False)  # as on a CUDA engine
+    gpu = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 6, seed=3)
+    assert gpu.stats["engine_path"] == "bursts"
+    assert gpu.stats["engine_path_fallback"] == paths.GPU_UNMEASURED
+    assert "engine_path='requests'" in gpu.stats["engine_path_fallback"]  # the way to take it
+    assert lm.stats["particle_requests"]["fallbacks"][paths.GPU_UNMEASURED] == before + 1
+    asked = lm.smc_sync(prompt, Regex(r"[a-z ]+"), 6, 6, seed=3, engine_path="requests")
+    assert asked.stats["engine_path"] == "requests" and "engine_path_fallback" not in asked.stats
+    _same(gpu, auto)
+    _same(asked, auto)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 1.5])
@@ -93,7 +125,7 @@ def test_a_product_of_prompts_is_byte_identical_on_the_requests_path(llama_lm, t
     args = dict(seed=7, ess_threshold=0.9, prompts=prompts, temperature=temperature)
     req = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, engine_path="requests", **args)
     ref = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, in_engine=False, **args)
-    burst = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, **args)
+    burst = lm.smc_sync(None, Regex(r"[a-z ]+"), 12, 14, engine_path="bursts", **args)
     assert req.stats["engine_path"] == "requests", req.stats.get("engine_path_fallback")
     _same(req, ref)
     _same(req, burst)

@@ -59,9 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help=f"SMC steps T (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--reps", type=int, help=f"timed repetitions per system (default {DEFAULT_REPS})")
     p.add_argument("--constraint", choices=CONSTRAINTS, default="regex", help="the smc workload's constraint")
-    p.add_argument("--engine-path", choices=ENGINE_PATHS, default="bursts",
-                   help="lm.smc's engine_path in the smc workload (requests: experimental; the default "
-                        "path, bursts, runs beside it as 'lm.smc (bursts)')")
+    p.add_argument("--engine-path", choices=ENGINE_PATHS, default="auto",
+                   help="lm.smc's engine_path in the smc workload (default auto, lm.smc's own default; "
+                        "requests: the bursts path runs beside it as 'lm.smc (bursts)')")
+    p.add_argument("--product", action="store_true",
+                   help="the smc workload runs a product of two prompts (lm.smc's prompts=); vLLM's lanes "
+                        "decode N sequences on each prompt")
     p.add_argument("--mask-overlap", action="store_true",
                    help="add a lane 'lm.smc (mask overlap)': lm.smc with mask_overlap=True on the same engine "
                         "path (experimental; takes effect on the requests path)")
@@ -176,7 +179,7 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     opts = engine_options(model, cfg["engine_opts"])
     conf = runner.Config(model=model, workloads=cfg["workloads"], ns=cfg["ns"], max_tokens=cfg["max_tokens"],
                          reps=cfg["reps"], constraint=args.constraint, engine_opts=opts, out=cfg["out"],
-                         engine_path=args.engine_path, mask_overlap=args.mask_overlap)
+                         engine_path=args.engine_path, mask_overlap=args.mask_overlap, product=args.product)
     cfg["out"].mkdir(parents=True, exist_ok=True)
     try:
         result = runner.run(conf, progress=not (args.no_progress or args.quiet),
@@ -187,7 +190,7 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     result.update(model=model, engine_opts=opts, genlm_vlm=__version__, argv=sys.argv[1:],
                   config={"workloads": cfg["workloads"], "n": cfg["ns"], "max_tokens": cfg["max_tokens"],
                           "reps": cfg["reps"], "constraint": args.constraint, "engine_path": args.engine_path,
-                          "mask_overlap": args.mask_overlap,
+                          "mask_overlap": args.mask_overlap, "product": args.product,
                           "skipped": cfg["skipped"]})
     files = report.write(result, cfg["out"])
     if not args.quiet:

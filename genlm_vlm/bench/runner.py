@@ -27,8 +27,9 @@ class Config:
     constraint: str
     engine_opts: dict[str, Any]
     out: pathlib.Path
-    engine_path: str = "bursts"
+    engine_path: str = "auto"
     mask_overlap: bool = False
+    product: bool = False
 
 
 def _drop_bulk(res: dict[str, Any]) -> dict[str, Any]:
@@ -54,16 +55,18 @@ def check_cell(cell: Cell, runs: dict[str, list[dict[str, Any]]], warm: dict[str
             if not r.get(cell.work_key):
                 problems.append(f"{where}: no work counted ({cell.work_key} = {r.get(cell.work_key)})")
     if cell.workload == "smc":
-        path = cell.lanes[0].kwargs.get("engine_path", "bursts")
+        path = cell.lanes[0].kwargs.get("engine_path", "auto")
         for label in [x for x in ("lm.smc", "lm.smc (bursts)", "lm.smc (mask overlap)") if x in runs]:
             for i, (a, b) in enumerate(zip(runs[label], runs["python reference"], strict=True), 1):
                 if a["fingerprint"] != b["fingerprint"]:
                     problems.append(f"smc N={n} rep {i}: {label} and the Python reference drew different "
                                     "particles with the same seed")
-        for i, r in enumerate(runs["lm.smc"], 1):
-            if r.get("engine_path", path) != path:
-                problems.append(f"smc N={n} rep {i}: lm.smc asked for engine_path={path!r} and ran on "
-                                f"{r.get('engine_path')!r} ({r.get('fallback')})")
+        asked = [("lm.smc", path), ("lm.smc (bursts)", "bursts")]
+        for label, want in [(x, p) for x, p in asked if x in runs and p != "auto"]:  # auto: whichever it picks
+            for i, r in enumerate(runs[label], 1):
+                if r.get("engine_path", want) != want:
+                    problems.append(f"smc N={n} rep {i}: {label} asked for engine_path={want!r} and ran on "
+                                    f"{r.get('engine_path')!r} ({r.get('fallback')})")
         want = n * warm["vllm decode"]["tokens_asked"]
         for r in runs["vllm decode"]:
             if r["particle_steps"] != want:
@@ -116,7 +119,8 @@ def run(cfg: Config, progress: bool = True, log: Callable[[str], None] = print) 
     """Run every cell of ``cfg``; returns the result object written as JSON (see report)."""
     from tqdm import tqdm
 
-    cells = plan(cfg.workloads, cfg.ns, cfg.max_tokens, cfg.constraint, cfg.engine_path, cfg.mask_overlap)
+    cells = plan(cfg.workloads, cfg.ns, cfg.max_tokens, cfg.constraint, cfg.engine_path, cfg.mask_overlap,
+                 cfg.product)
     names = processes_for(cfg.workloads)
     spec = {"model": cfg.model, "engine_opts": cfg.engine_opts}
     logs = cfg.out / "logs"

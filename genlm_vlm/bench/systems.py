@@ -72,9 +72,9 @@ def _fingerprint(particles: Any) -> str:
     return hashlib.sha1(json.dumps(data).encode()).hexdigest()
 
 
-def _prompt_ids(tok: Any) -> list[int]:
+def _prompt_ids(tok: Any, text: str = W.SMC_PROMPT) -> list[int]:
     ids = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    return ids + tok.encode(W.SMC_PROMPT, add_special_tokens=False)
+    return ids + tok.encode(text, add_special_tokens=False)
 
 
 class GenlmSystem:
@@ -87,6 +87,7 @@ class GenlmSystem:
         self.lm = AsyncVirtualLM.from_name(spec["model"], dict(spec["engine_opts"]))
         self.vocab = self.lm.vocab_size
         self.prompt = _prompt_ids(self.lm.tokenizer)
+        self.prompts = [self.prompt, _prompt_ids(self.lm.tokenizer, W.PRODUCT_PROMPT)]  # --product
         self._evaluator: Any = None
 
     def info(self) -> dict[str, Any]:
@@ -121,7 +122,7 @@ class GenlmSystem:
         return {"wall_s": wall, "rows": len(rows), "width": int(rows[0].shape[-1])}
 
     def job_smc(self, n: int, t: int, constraint: str, rep: int, in_engine: bool = True,
-                engine_path: str = "bursts", mask_overlap: bool = False) -> dict[str, Any]:
+                engine_path: str = "auto", mask_overlap: bool = False, product: bool = False) -> dict[str, Any]:
         from genlm_vlm.smc import Grammar, JSONSchema, Regex
 
         c = {"regex": lambda: Regex(W.REGEX), "steady": lambda: Regex(W.STEADY), "json": lambda: JSONSchema(W.SCHEMA),
@@ -129,7 +130,8 @@ class GenlmSystem:
         ess = 0.0 if constraint == "steady" else 0.5
         self._fresh()
         t0 = time.perf_counter()
-        r = self.loop.run_until_complete(self.lm.smc(self.prompt, c, n, t, seed=rep, in_engine=in_engine,
+        prompt, prompts = (None, self.prompts) if product else (self.prompt, None)
+        r = self.loop.run_until_complete(self.lm.smc(prompt, c, n, t, seed=rep, in_engine=in_engine, prompts=prompts,
                                                      ess_threshold=ess, engine_path=engine_path,
                                                      mask_overlap=mask_overlap))
         wall = time.perf_counter() - t0
@@ -205,6 +207,7 @@ class VllmSystem:
         self.tok = self.llm.get_tokenizer()
         self.vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.prompt = _prompt_ids(self.tok)
+        self.prompts = [self.prompt, _prompt_ids(self.tok, W.PRODUCT_PROMPT)]  # --product
 
     def info(self) -> dict[str, Any]:
         return {**machine_info(self.llm), "vocab": self.vocab}
@@ -234,15 +237,21 @@ class VllmSystem:
         widths = [len(o.outputs[0].logprobs[0]) for o in outs if o.outputs[0].logprobs]
         return {"wall_s": wall, "rows": len(widths), "width": min(widths, default=0)}
 
-    def job_decode(self, n: int, rep: int, tokens: int) -> dict[str, Any]:
+    def job_decode(self, n: int, rep: int, tokens: int, product: bool = False) -> dict[str, Any]:
+        """``n`` sequences of ``tokens`` tokens (``product``: ``n`` on each factor's prompt, one
+        particle-step counted per pair of tokens)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True)
-        outs, wall = self._generate([self.prompt + [3 + i % 500] for i in range(n)], params)
-        return {"wall_s": wall, "particle_steps": sum(len(o.outputs[0].token_ids) for o in outs),
-                "particles": len(outs)}
+        prompts = self.prompts if product else [self.prompt]
+        outs, wall = self._generate([p + [3 + i % 500] for p in prompts for i in range(n)], params)
+        k = len(prompts)
+        return {"wall_s": wall, "particle_steps": sum(len(o.outputs[0].token_ids) for o in outs) // k,
+                "particles": len(outs) // k}
 
-    def job_structured(self, n: int, t: int, constraint: str, rep: int) -> dict[str, Any]:
+    def job_structured(self, n: int, t: int, constraint: str, rep: int, product: bool = False) -> dict[str, Any]:
+        """``n`` constrained sequences of at most ``t`` tokens (``product``: ``n`` on each factor's
+        prompt, one particle-step counted per pair of tokens)."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -250,11 +259,13 @@ class VllmSystem:
               "steady": lambda: StructuredOutputsParams(regex=W.STEADY),
               "json": lambda: StructuredOutputsParams(json=W.SCHEMA),
               "grammar": lambda: StructuredOutputsParams(grammar=W.GRAMMAR)}[constraint]()
+        prompts = self.prompts if product else [self.prompt]
+        k = len(prompts)
         params = [SamplingParams(max_tokens=t, temperature=1.0, detokenize=False, seed=rep * 100_003 + i,
-                                 structured_outputs=so) for i in range(n)]
-        outs, wall = self._generate([list(self.prompt)] * n, params)
+                                 structured_outputs=so) for i in range(n * k)]
+        outs, wall = self._generate([list(p) for p in prompts for _ in range(n)], params)
         toks = [tuple(o.outputs[0].token_ids) for o in outs]
-        return {"wall_s": wall, "particle_steps": sum(map(len, toks)), "particles": len(toks),
+        return {"wall_s": wall, "particle_steps": sum(map(len, toks)) // k, "particles": len(toks) // k,
                 "distinct": len(set(toks))}
 
     def job_score(self, n: int, rep: int) -> dict[str, Any]:

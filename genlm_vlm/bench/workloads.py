@@ -21,11 +21,13 @@ WORKLOADS = ("rows", "smc", "scoring", "lm-eval", "control")
 #: ``steady``: ``[a-z ]{1000}`` with ``ess_threshold=0``: no particle can finish within T and none is
 #: resampled, so every step has N live particles (the decode comparison is then like for like).
 CONSTRAINTS = ("regex", "steady", "json", "grammar")
-#: ``lm.smc``'s ``engine_path`` in the ``smc`` workload (``--engine-path``).
-ENGINE_PATHS = ("bursts", "requests")
+#: ``lm.smc``'s ``engine_path`` in the ``smc`` workload (``--engine-path``; ``auto``: lm.smc's default).
+ENGINE_PATHS = ("auto", "bursts", "requests")
 
 SMC_PROMPT = ('"""Return the words of a sentence in lower case.\n\n    Example: the quick brown fox jumps '
               "over the lazy dog and")
+#: The second factor's prompt of the ``smc`` workload's product of prompts (``--product``).
+PRODUCT_PROMPT = "# A list of common English words, one after another:\nhouse tree river"
 REGEX = r"[a-z ]+"
 STEADY = r"[a-z ]{1000}"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -68,34 +70,41 @@ def processes_for(workloads: list[str]) -> list[str]:
 
 
 def plan(workloads: list[str], ns: list[int], max_tokens: int, constraint: str,
-         engine_path: str = "bursts", mask_overlap: bool = False) -> list[Cell]:
+         engine_path: str = "auto", mask_overlap: bool = False, product: bool = False) -> list[Cell]:
     """The cells to run, workload by workload (in :data:`WORKLOADS` order), N ascending.
     ``engine_path``: the path ``lm.smc`` takes in the ``smc`` workload (``"requests"`` adds a lane
-    with the default path, ``"lm.smc (bursts)"``, so the two are compared in the same run).
+    on bursts, ``"lm.smc (bursts)"``, so the two are compared in the same run). ``product``: the
+    ``smc`` workload runs a product of two prompts (``prompts=``: :data:`SMC_PROMPT` and
+    :data:`PRODUCT_PROMPT`); vLLM's lanes then decode ``n`` sequences on each prompt and count
+    one particle-step per pair of tokens (one token per factor, as a product's particle-step).
     ``mask_overlap``: add a lane ``"lm.smc (mask overlap)"``, ``lm.smc`` on the same path with
     ``mask_overlap=True`` (its ratio above 1: the overlap made the run slower)."""
     cells = []
     for w in [w for w in WORKLOADS if w in workloads]:
         for n in sorted(ns):
-            cells.append(_cell(w, n, max_tokens, constraint, engine_path, mask_overlap))
+            cells.append(_cell(w, n, max_tokens, constraint, engine_path, mask_overlap, product))
     return cells
 
 
-def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "bursts", mask_overlap: bool = False) -> Cell:
+def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "auto", mask_overlap: bool = False,
+          product: bool = False) -> Cell:
     if w == "rows":
         kw = {"n": n, "rounds": ROWS_ROUNDS}
         return Cell(w, n, (Lane("genlm_vlm awaits", "genlm_vlm", "rows", kw),
                            Lane("genlm_vlm batch", "genlm_vlm", "rows", {**kw, "batch": True}),
                            Lane("vllm logprobs=-1", "vllm", "rows", kw)), "rows", "rows/s")
     if w == "smc":
-        kw = {"n": n, "t": t, "constraint": constraint}
-        bursts = (Lane("lm.smc (bursts)", "genlm_vlm", "smc", kw),) if engine_path != "bursts" else ()
+        kw: dict[str, Any] = {"n": n, "t": t, "constraint": constraint}
+        if product:
+            kw["product"] = True
+        burst = {**kw, "engine_path": "bursts"}
+        bursts = (Lane("lm.smc (bursts)", "genlm_vlm", "smc", burst),) if engine_path == "requests" else ()
         if mask_overlap:
             bursts += (Lane("lm.smc (mask overlap)", "genlm_vlm", "smc",
                             {**kw, "engine_path": engine_path, "mask_overlap": True}),)
         return Cell(w, n, (Lane("lm.smc", "genlm_vlm", "smc", {**kw, "engine_path": engine_path}), *bursts,
                            Lane("python reference", "genlm_vlm", "smc", {**kw, "in_engine": False}),
-                           Lane("vllm decode", "vllm", "decode", {"n": n}),
+                           Lane("vllm decode", "vllm", "decode", {"n": n, **({"product": True} if product else {})}),
                            Lane("vllm structured", "vllm", "structured", kw)), "particle_steps", "particle-steps/s")
     if w == "scoring":
         return Cell(w, n, (Lane("lm.score", "genlm_vlm", "score", {"n": n}),

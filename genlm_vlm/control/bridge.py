@@ -383,7 +383,7 @@ def _empty_ids(llm: Any) -> list[int]:
 # ------------------------------------------------------------------------------ the run
 async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: int, *, critic: Any = None,
               seed: int | None = None, fallback: bool = False, json_schema: bool = False,
-              resampling_method: str = "multinomial", in_engine: bool = True, engine_path: str = "bursts") -> Any:
+              resampling_method: str = "multinomial", in_engine: bool = True, engine_path: str = "auto") -> Any:
     """``sampler.smc(n_particles, ess_threshold, max_tokens, critic=critic)`` of genlm-control,
     run as :meth:`~genlm_vlm.AsyncLM.smc` on the ``PromptedLLM``'s genlm_vlm model (on an
     :class:`~genlm_vlm.AsyncVirtualLM`, in the engine). Same target, same ``max_tokens``
@@ -402,8 +402,8 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     :class:`~genlm_vlm.control.translate.UntranslatableError` naming what, why and what to do
     instead; with ``fallback=True`` genlm-control runs it itself, per token, instead. Options of
     the wrong type raise ``TypeError``, before anything runs. ``engine_path`` is passed to
-    ``lm.smc`` (``"requests"``: particles as running requests, experimental; checked as there,
-    before anything runs; ignored by ``in_engine=False`` and ``fallback``'s runs).
+    ``lm.smc`` (default ``"auto"``, as there; checked as there, before anything runs; ignored by
+    ``in_engine=False`` and ``fallback``'s runs).
 
     A run in which no particle finished (every particle died, e.g. at the forced EOS where the
     condition does not accept the text yet) warns (:class:`~genlm_vlm.smc.EmptyPosteriorWarning`) that the posterior is empty

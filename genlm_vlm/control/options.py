@@ -38,7 +38,7 @@ def check_sampler(sampler: Any, critic: Any = None) -> None:
 
 
 def check_options(n_particles: Any, ess_threshold: Any, max_tokens: Any, seed: Any, fallback: Any,
-                  json_schema: Any, resampling_method: Any, in_engine: Any, engine_path: Any = "bursts") -> None:
+                  json_schema: Any, resampling_method: Any, in_engine: Any, engine_path: Any = "auto") -> None:
     """:func:`~genlm_vlm.control.smc`'s options, for either path: a wrong type is a ``TypeError``, a count below 1
     or an ``ess_threshold`` outside ``[0, 1]`` a ``ValueError``, ``engine_path`` as ``lm.smc`` checks
     it (``lm.smc`` checks the rest)."""

@@ -65,9 +65,11 @@ class BurstSpec:
     runner: Burst | None = None
     prompts: Any = None
     path: str = "bursts"
-    """``"bursts"`` or ``"requests"`` (particles as running requests, :mod:`.particles`)."""
+    """``"bursts"``, ``"requests"`` (particles as running requests, :mod:`.particles`) or
+    ``"auto"`` (:mod:`.paths` picks one)."""
     fallback: str | None = None
-    """Why a run that asked for the requests path runs as a burst (set on the engine thread)."""
+    """Why a run that asked for the requests path (or ``"auto"``) runs as a burst (set on the
+    engine thread)."""
 
 
 def burst_error(exc: BaseException, doing: str) -> BaseException:

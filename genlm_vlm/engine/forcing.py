@@ -27,6 +27,7 @@ from .bursts import burst_error
 from .forks import FORK_KEY, prefill_chunk_reader
 from .jobs import adapter_key
 from .mask_overlap import MaskWorker
+from .paths import asked, auto_refusal
 
 if TYPE_CHECKING:
     from .jobs import Job
@@ -95,12 +96,14 @@ class ParticleHost:
         return any((run.job.lora is not None) == adapter for run in self.runs)
 
     def runner_for(self, job: Job) -> RequestRun | None:
-        """A :class:`~.particles.RequestRun` for ``job`` when it asked for the requests path and
-        can take it; else None (it runs as a burst; the reason is kept in ``job.spec.fallback``)."""
+        """A :class:`~.particles.RequestRun` for ``job`` when it asked for the requests path (or
+        ``"auto"`` picks it: :mod:`.paths`) and can take it; else None (it runs as a burst; the
+        reason, where it asked for another path than bursts, is kept in ``job.spec.fallback``)."""
         spec = job.spec
-        if getattr(spec, "path", "bursts") != "requests":
+        path = asked(job)
+        if path == "bursts":
             return None
-        why = self.refusal(job)
+        why = self.refusal(job) if path == "requests" else auto_refusal(self, job)
         if why is not None:
             spec.fallback = why
             self.fallbacks[why] += 1

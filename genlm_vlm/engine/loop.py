@@ -294,14 +294,15 @@ class EngineDriver:
         return self._submit(jobs, listener, payloads)
 
     def submit_burst(self, prompt: Tokens, controller: Any, lora: Any = None, start: Any = None,
-                     prompts: Any = None, path: str = "bursts") -> cf.Future:
+                     prompts: Any = None, path: str = "auto") -> cf.Future:
         """Run ``controller`` (a :class:`genlm_vlm.smc.Controller`) over particles that begin at
         ``prompt`` (plus ``start[i]`` for particle ``i`` when given) on the engine thread: a
         burst (:mod:`.bursts`). Returns a future of ``controller.result(...)``; cancelling it
         abandons the run's requests at the next step and releases its idle sessions. ``prompts``
         (checked, ``k >= 2``; ``prompt`` is the first): a product of prompts (:mod:`.bursts`).
-        ``path="requests"``: particles as running requests where the run allows it
-        (:mod:`.particles`; else a burst, with the reason in ``spec.fallback``)."""
+        ``path``: ``"bursts"``, ``"requests"`` (particles as running requests where the run allows
+        it, :mod:`.particles`; else a burst, with the reason in ``spec.fallback``) or ``"auto"``
+        (the default: :mod:`.paths` picks one)."""
         job = Job("burst", tuple(prompt), lora, [], spec=BurstSpec(controller, start, prompts=prompts, path=path))
         fut: cf.Future = cf.Future()
         fut.add_done_callback(self._on_future_done(job))

@@ -147,7 +147,7 @@ class ReplicaWorker:
         return result
 
     async def run_controller(self, prompt: list[int], controller: Any, lora_name: str | None, start: Any,
-                             engine_path: str = "bursts") -> Any:
+                             engine_path: str = "auto") -> Any:
         return await self.lm.run_controller(prompt, controller, lora_name=lora_name, start=start,
                                             engine_path=engine_path)
 

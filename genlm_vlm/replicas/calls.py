@@ -272,7 +272,7 @@ class CallMixin:
 
         self._check_open()  # type: ignore[attr-defined]
         in_engine = check_flag(kwargs.get("in_engine", True), "in_engine")
-        check_engine_path(kwargs.get("engine_path", "bursts"))
+        check_engine_path(kwargs.get("engine_path", "auto"))
         prompt, prompts, critic = api.check_options(self, prompt_ids, max_tokens, kwargs.pop("prompts", None),
                                                     kwargs.pop("critic", None), kwargs)  # the critic runs here
         prompt, controller = api.prepare(self, prompt, constraint, n_particles, max_tokens, build=not in_engine,
@@ -292,8 +292,8 @@ class CallMixin:
         return result
 
     async def run_controller(self, prompt_ids: Any, controller: Any, *, lora_name: str | None = None,
-                             start: Any = None, engine_path: str = "bursts") -> Any:
-        """Run a :class:`~genlm_vlm.smc.Controller` as a burst on one replica (``engine_path``:
+                             start: Any = None, engine_path: str = "auto") -> Any:
+        """Run a :class:`~genlm_vlm.smc.Controller` in one replica's engine (``engine_path``:
         as on :class:`~genlm_vlm.AsyncVirtualLM`); the controller travels there and back by
         pickle (Ray's), so it must pickle before its first step."""
         from ..checks import check_engine_path

@@ -135,17 +135,18 @@ def prepare(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tok
 
 async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lora_name: str | None,
               in_engine: bool, prompts: tuple[tuple[int, ...], ...] | None = None,
-              critic: Any = None, engine_path: str = "bursts") -> SMCResult:
+              critic: Any = None, engine_path: str = "auto") -> SMCResult:
     """Run ``controller`` on ``lm`` (see the module docstring) and time it; ``prompts``
     (checked by :func:`check_prompts`): a product of prompts; ``critic`` (checked by
     :func:`check_critic`): applied once at the end, here, in the caller's coroutine
     (:func:`~.product.criticise`). A result whose posterior is empty gives its
     :class:`~.algorithm.EmptyPosteriorWarning` here (``empty_reason``), after the critic.
-    ``engine_path`` (checked): ``"requests"`` asks an engine that runs controllers for particles
-    as running requests (other models run the reference, which the option does not change)."""
+    ``engine_path`` (checked): ``"auto"``, ``"bursts"`` or ``"requests"``, the path an engine that
+    runs controllers takes (passed on unless ``"auto"``, every ``run_controller``'s default;
+    other models run the reference, which the option does not change)."""
     t0 = time.perf_counter()
     if in_engine:
-        path = {} if engine_path == "bursts" else {"engine_path": engine_path}
+        path = {} if engine_path == "auto" else {"engine_path": engine_path}
         if prompts is None:
             result = await lm.run_controller(prompt, controller, lora_name=lora_name, **path)
         else:
@@ -161,7 +162,7 @@ async def run(lm: Any, prompt: tuple[int, ...], controller: SMCController, *, lo
 
 
 async def smc(lm: Any, prompt_ids: Any, constraint: Any, n_particles: Any, max_tokens: Any, *, in_engine: bool = True,
-              prompts: Any = None, critic: Any = None, engine_path: Any = "bursts", **kwargs: Any) -> SMCResult:
+              prompts: Any = None, critic: Any = None, engine_path: Any = "auto", **kwargs: Any) -> SMCResult:
     """:meth:`~genlm_vlm.AsyncLM.smc`: every argument checked (``in_engine``, ``engine_path``,
     ``prompts``, ``critic``, then :func:`prepare`'s), then :func:`run`."""
     check_flag(in_engine, "in_engine")
