@@ -314,6 +314,7 @@ async def test_a_bare_promptedllm_or_wrong_option_types_are_type_errors(gc, llm)
         (dict(json_schema="yes"), "json_schema must be True or False"),
         (dict(in_engine=None), "in_engine must be True or False"),
         (dict(engine_path=1), "engine_path must be 'auto', 'bursts' or 'requests'"),
+        (dict(mask_overlap="on"), "mask_overlap must be True or False"),
         (dict(resampling_method=None), "resampling_method must be a str"),
         (dict(critic=lambda texts: 0.0), "critic must be a genlm-control potential"),
     ]
@@ -510,7 +511,8 @@ async def test_bridge_in_engine_equals_the_python_reference(gc, many_eos_llm):
 
 async def test_bridge_on_the_requests_path_equals_the_burst(gc, many_eos_llm, llama_lm):
     """``engine_path="requests"`` reaches ``lm.smc``: the run takes that path (counted in
-    ``lm.stats``) and equals the same run as a burst, with a critic too."""
+    ``lm.stats``) and equals the same run as a burst, with a critic too; so does
+    ``mask_overlap=True`` (its work counted)."""
     from genlm_vlm import control
 
     llm = many_eos_llm.spawn(temperature=0.7)
@@ -521,9 +523,15 @@ async def test_bridge_on_the_requests_path_equals_the_burst(gc, many_eos_llm, ll
         req = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, critic=crit, seed=3, engine_path="requests")
         after = llama_lm.stats["particle_requests"]
         assert after["runs"] == before["runs"] + 1 and after["fallbacks"] == before["fallbacks"]
-        burst = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, critic=crit, seed=3)
+        burst = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, critic=crit, seed=3, engine_path="bursts")
         assert [list(c) for c in req.contexts] == [list(c) for c in burst.contexts]
         assert np.array_equal(req.log_weights, burst.log_weights) and req.log_ml == burst.log_ml
+        before = llama_lm.stats["particle_requests"]["mask_overlap"]["submitted"]
+        ahead = await control.smc(gc.AWRS(llm, cond), 16, 0.5, 4, critic=crit, seed=3, engine_path="requests",
+                                  mask_overlap=True)
+        assert llama_lm.stats["particle_requests"]["mask_overlap"]["submitted"] > before
+        assert [list(c) for c in ahead.contexts] == [list(c) for c in burst.contexts]
+        assert np.array_equal(ahead.log_weights, burst.log_weights) and ahead.log_ml == burst.log_ml
 
 
 async def test_products_of_conditions(gc, llm, llama_lm):

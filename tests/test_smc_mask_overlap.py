@@ -115,7 +115,7 @@ def test_mask_overlap_is_checked_and_a_no_op_elsewhere(llama_lm):
     with pytest.raises(TypeError, match="mask_overlap"):
         asyncio.run(lm.smc(prompt, Regex("[a-z]+"), 2, 2, mask_overlap=1))
     # bursts and the reference compute their masks in the step, as before
-    burst = lm.smc_sync(prompt, CONSTRAINTS["ebnf"](), 4, 6, seed=1, mask_overlap=True)
+    burst = lm.smc_sync(prompt, CONSTRAINTS["ebnf"](), 4, 6, seed=1, mask_overlap=True, engine_path="bursts")
     ref = lm.smc_sync(prompt, CONSTRAINTS["ebnf"](), 4, 6, seed=1, mask_overlap=True, in_engine=False)
     _same(burst, ref)
     assert burst.stats["mask_overlap"]["submitted"] == 0 and ref.stats["mask_overlap"]["submitted"] == 0

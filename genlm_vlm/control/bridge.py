@@ -383,7 +383,8 @@ def _empty_ids(llm: Any) -> list[int]:
 # ------------------------------------------------------------------------------ the run
 async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: int, *, critic: Any = None,
               seed: int | None = None, fallback: bool = False, json_schema: bool = False,
-              resampling_method: str = "multinomial", in_engine: bool = True, engine_path: str = "auto") -> Any:
+              resampling_method: str = "multinomial", in_engine: bool = True, engine_path: str = "auto",
+              mask_overlap: bool = False) -> Any:
     """``sampler.smc(n_particles, ess_threshold, max_tokens, critic=critic)`` of genlm-control,
     run as :meth:`~genlm_vlm.AsyncLM.smc` on the ``PromptedLLM``'s genlm_vlm model (on an
     :class:`~genlm_vlm.AsyncVirtualLM`, in the engine). Same target, same ``max_tokens``
@@ -401,16 +402,16 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
     ``seed`` makes the engine run reproducible. Anything else raises
     :class:`~genlm_vlm.control.translate.UntranslatableError` naming what, why and what to do
     instead; with ``fallback=True`` genlm-control runs it itself, per token, instead. Options of
-    the wrong type raise ``TypeError``, before anything runs. ``engine_path`` is passed to
-    ``lm.smc`` (default ``"auto"``, as there; checked as there, before anything runs; ignored by
-    ``in_engine=False`` and ``fallback``'s runs).
+    the wrong type raise ``TypeError``, before anything runs. ``engine_path`` and ``mask_overlap``
+    are passed to ``lm.smc`` (defaults ``"auto"`` and False, as there; checked as there, before
+    anything runs; ignored by ``in_engine=False`` and ``fallback``'s runs).
 
     A run in which no particle finished (every particle died, e.g. at the forced EOS where the
     condition does not accept the text yet) warns (:class:`~genlm_vlm.smc.EmptyPosteriorWarning`) that the posterior is empty
     and says what to change; ``Sequences`` is returned all the same.
     """
     check_options(n_particles, ess_threshold, max_tokens, seed, fallback, json_schema, resampling_method, in_engine,
-                  engine_path)
+                  engine_path, mask_overlap)
     check_sampler(sampler, critic)
     if resampling_method not in _RESAMPLING:
         if not fallback:
@@ -436,7 +437,7 @@ async def smc(sampler: Any, n_particles: int, ess_threshold: float, max_tokens: 
         prompt, constraint_for(p), n_particles, max_tokens, ess_threshold=ess_threshold,
         resampling=resampling_method, seed=seed, lora_name=llm.lora_name,
         eos_token_ids=list(llm.token_maps.eos_idxs), force_eos=True, in_engine=in_engine,
-        engine_path=engine_path, **extra,
+        engine_path=engine_path, mask_overlap=mask_overlap, **extra,
     )
     seqs = to_sequences(llm, result)
     # A result that carries its own reason (empty_reason) was announced by lm.smc already.

@@ -38,7 +38,8 @@ def check_sampler(sampler: Any, critic: Any = None) -> None:
 
 
 def check_options(n_particles: Any, ess_threshold: Any, max_tokens: Any, seed: Any, fallback: Any,
-                  json_schema: Any, resampling_method: Any, in_engine: Any, engine_path: Any = "auto") -> None:
+                  json_schema: Any, resampling_method: Any, in_engine: Any, engine_path: Any = "auto",
+                  mask_overlap: Any = False) -> None:
     """:func:`~genlm_vlm.control.smc`'s options, for either path: a wrong type is a ``TypeError``, a count below 1
     or an ``ess_threshold`` outside ``[0, 1]`` a ``ValueError``, ``engine_path`` as ``lm.smc`` checks
     it (``lm.smc`` checks the rest)."""
@@ -47,7 +48,8 @@ def check_options(n_particles: Any, ess_threshold: Any, max_tokens: Any, seed: A
     if not 0.0 <= check_real(ess_threshold, "ess_threshold", "a number in [0, 1]") <= 1.0:
         raise ValueError(f"ess_threshold must be a number in [0, 1], got {ess_threshold!r}")
     check_seed(seed, "seed")
-    for name, value in (("fallback", fallback), ("json_schema", json_schema), ("in_engine", in_engine)):
+    for name, value in (("fallback", fallback), ("json_schema", json_schema), ("in_engine", in_engine),
+                        ("mask_overlap", mask_overlap)):
         check_flag(value, name)
     check_engine_path(engine_path)
     if not isinstance(resampling_method, str):
