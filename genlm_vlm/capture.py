@@ -48,15 +48,36 @@ tokens are forced: a particle of an SMC run decoding as a running request. Its r
 :attr:`CaptureSink.forcer` (set by the engine), which may rewrite them in place."""
 
 
-def logprob_rows(logits: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+CPU_BLOCK_ENTRIES = 1 << 20
+"""``logprob_rows(..., views=True)`` on the CPU computes rows in blocks of at most this many
+entries (4 MiB of float32), one kernel per block."""
+
+
+def logprob_rows(logits: torch.Tensor, rows: list[int], views: bool = False) -> list[torch.Tensor]:
     """``log_softmax(logits[r].float())`` for each ``r`` in ``rows``, as ordinary tensors (made
-    with inference mode off): one compact tensor per row on the CPU (measured 4x faster than one
-    batched op for 256 x 32k rows, which page-faults on its large allocation), views of one
-    batched kernel's output on an accelerator. Every path that hands rows to a controller makes
-    them here, so they are the same bits wherever the row was computed."""
+    with inference mode off). On an accelerator: views of one batched kernel's output. On the CPU:
+    one compact tensor per row (one batched op over 256 x 32k rows page-faulted on its large
+    allocation: 4x slower), or with ``views`` (for rows used and dropped within a step, as the
+    forcer's are) views of one kernel's output per block of rows of at most
+    :data:`CPU_BLOCK_ENTRIES` entries (consecutive rows read in place, others gathered first;
+    rows wider than an eighth of a block still one by one). The kernel computes each row on its
+    own, so a row has the same bits in a block or alone. Every path that hands rows to a
+    controller makes them here, so they are the same bits wherever the row was computed."""
     with torch.inference_mode(False):
         if logits.device.type == "cpu":
-            return [torch.log_softmax(logits[r].to(torch.float32), dim=-1) for r in rows]
+            per_block = CPU_BLOCK_ENTRIES // max(1, int(logits.shape[-1]))
+            if not views or per_block < 8 or len(rows) < 2:
+                return [torch.log_softmax(logits[r].to(torch.float32), dim=-1) for r in rows]
+            out: list[torch.Tensor] = []
+            for start in range(0, len(rows), per_block):
+                block = rows[start : start + per_block]
+                first = block[0]
+                if block == list(range(first, first + len(block))):  # consecutive rows: in place
+                    src = logits[first : first + len(block)]
+                else:
+                    src = logits.index_select(0, torch.as_tensor(block, dtype=torch.long))
+                out.extend(torch.log_softmax(src.to(torch.float32), dim=-1).unbind(0))
+            return out
         index = torch.as_tensor(rows, device=logits.device, dtype=torch.long)
         return list(torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1))
 

@@ -182,3 +182,44 @@ def test_partial_prefills_and_early_rows_are_not_forced():
     assert torch.equal(out, x)  # the run is not complete: nothing forced
     assert groups[1].row is None and groups[0].stale and groups[2].stale  # p0, p2 wait for p1 (aborted after the step)
     assert run.counts["early_rows"] == 2
+
+
+def test_block_rows_have_the_bits_of_rows_made_one_by_one():
+    """The forcer's rows (``views=True``: one kernel per block of rows, consecutive rows read in
+    place, others gathered) are bitwise the rows the capture makes one at a time, which are the
+    rows the Python reference sees."""
+    from genlm_vlm import capture
+    from genlm_vlm.capture import logprob_rows
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 300, generator=g) * 7
+    logits[5, 17] = float("-inf")
+    for rows in ([*range(3, 40)], [0, 2, 3, 9, 39], [7], [4, 5, 6, 8, 9, 10]):
+        alone = logprob_rows(logits, rows)
+        saved = capture.CPU_BLOCK_ENTRIES
+        try:
+            for entries in (saved, 300 * 8, 300 * 9):  # one block; blocks of 8 and 9 rows
+                capture.CPU_BLOCK_ENTRIES = entries
+                blocked = logprob_rows(logits, rows, views=True)
+                assert len(blocked) == len(rows)
+                for a, b in zip(alone, blocked, strict=True):
+                    assert a.dtype == b.dtype == torch.float32
+                    assert torch.equal(a, b)
+        finally:
+            capture.CPU_BLOCK_ENTRIES = saved
+
+
+def test_force_rows_leaves_one_finite_entry_in_each_forced_row_and_touches_no_other():
+    from genlm_vlm.engine.forcing import force_rows
+
+    base = torch.randn(6, 11)
+    for rows, tokens in (([1, 2, 3], [4, 0, 10]), ([5, 0, 2], [1, 1, 9]), ([4], [3])):
+        logits = base.clone()
+        force_rows(logits, rows, tokens)
+        for r in range(6):
+            if r in rows:
+                tok = tokens[rows.index(r)]
+                assert int(logits[r].argmax()) == tok and float(logits[r, tok]) == 0.0
+                assert bool(torch.isneginf(logits[r]).sum() == 10)
+            else:
+                assert torch.equal(logits[r], base[r])

@@ -44,6 +44,22 @@ def _forced_params() -> Any:
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
 
 
+def force_rows(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Rewrite ``logits[rows[i]]`` to ``-inf`` but for a 0 at ``tokens[i]`` (``rows`` distinct).
+    Rows that form one range are filled as a slice (a quarter of the cost of an indexed write on
+    a 128 x 1,536 block, one thread); others by index."""
+    device = logits.device
+    lo, hi = min(rows), max(rows)
+    if hi - lo + 1 == len(rows):
+        logits[lo : hi + 1].fill_(float("-inf"))
+        at = torch.as_tensor(rows, device=device, dtype=torch.long)
+    else:
+        at = torch.as_tensor(rows, device=device, dtype=torch.long)
+        logits.index_fill_(0, at, float("-inf"))
+    logits.index_put_((at, torch.as_tensor(tokens, device=device, dtype=torch.long)),
+                      torch.zeros((), device=device, dtype=logits.dtype))
+
+
 class ParticleHost:
     """Forced requests of the runs on the requests path (see the module docstring)."""
 
@@ -176,7 +192,8 @@ class ParticleHost:
             where = {g.rid: r for r, g in items}
             try:
                 complete = False
-                for (_, g), row in zip(items, logprob_rows(logits, [r for r, _ in items]), strict=True):
+                rows_of = logprob_rows(logits, [r for r, _ in items], views=True)
+                for (_, g), row in zip(items, rows_of, strict=True):
                     complete = run.take(g, row)
                 self.counts["forced_rows"] += len(items)
                 if complete:
@@ -198,9 +215,7 @@ class ParticleHost:
             finally:
                 run.forced = {}
         if index:
-            at = torch.as_tensor(index, device=logits.device, dtype=torch.long)
-            logits[at] = float("-inf")
-            logits[at, torch.as_tensor(tokens, device=logits.device, dtype=torch.long)] = 0.0
+            force_rows(logits, index, tokens)
         return logits
 
     # ---------------------------------------------------------------- after a step

@@ -165,10 +165,12 @@ class RequestRun(Burst):
         if not new_live:
             self.ending = ("finish", None, False)  # the run's requests are aborted as it finishes
             return
+        gen = ps.generated
+        if parents is None and len(new_live) == len(live) and self._continue_singletons(gen):
+            return
         # Regroup: a new particle i descends from old particle a (its parent, or itself) and took
         # a's token; particles with the same old group and token share a new group.
         anc = parents if parents is not None else range(len(ps.generated))
-        gen = ps.generated
         buckets: dict[tuple[int, int], Group] = {}
         children: dict[int, list[Group]] = {}
         for of in group_of:  # each factor's groups regroup on their own
@@ -200,6 +202,23 @@ class RequestRun(Burst):
         self._begin_step([ng for g in old for ng in children.get(id(g), ())])
         if self.masks is not None:  # the next step's masks, computed while vLLM runs its forward
             self.masks.prefetch(self.controller, self.live)
+
+    def _continue_singletons(self, gen: list[Tokens]) -> bool:
+        """The common step without resampling: every particle lived on and every group is one
+        particle with its request in the batch, so each group keeps its request and takes its
+        particle's token (what the regrouping gives, without new groups). False (nothing
+        changed) when that does not hold."""
+        groups = self.groups
+        for g in groups:
+            if len(g.members) != 1 or g.rid is None or g.stale:
+                return False
+        forced = self.forced
+        for g in groups:
+            forced[g.rid] = gen[g.members[0]][-1]  # type: ignore[index]
+            g.length += 1
+        self.have = 0
+        self.rounds += 1
+        return True
 
     # ---------------------------------------------------------------- between steps
     def settle(self) -> None:

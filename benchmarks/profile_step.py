@@ -1,0 +1,196 @@
+"""Profile one system of the ``bench`` command's ``smc`` cell with py-spy, and classify its stacks.
+
+Run (one system per process; the profile starts after one warm-up run and covers ``--reps`` runs):
+
+    python benchmarks/profile_step.py record --system requests --n 128 --t 48 --out prof-requests.txt
+    python benchmarks/profile_step.py record --system decode --n 128 --t 48 --out prof-decode.txt
+    python benchmarks/profile_step.py table prof-requests.txt prof-decode.txt
+
+``requests`` is ``lm.smc(..., engine_path="requests")`` on the steady constraint (``bursts``: the
+default path), ``decode`` the bench's vLLM-decode baseline of the same tokens; both are the bench's
+own systems (:mod:`genlm_vlm.bench.systems`) with the bench's engine options. ``table`` prints the
+share of each thread's busy samples (py-spy leaves idle samples out) per part of a step; the
+engine loop's thread is the one with the most samples. py-spy (``--pyspy`` or ``$PYSPY``) must be
+able to attach to this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+
+# (label, frame substrings, any of which marks a sample); the first matching label, in this
+# order, takes the sample: inner parts before the parts that call them.
+PARTS = [
+    ("controller step (smc/)", ("genlm_vlm/smc/",)),
+    ("forcer: rows, -inf rewrite (forcing.py, logprob_rows)", ("genlm_vlm/engine/forcing.py", "logprob_rows")),
+    ("capture processor (capture.py)", ("genlm_vlm/capture.py",)),
+    ("model forward", ("_model_forward",)),
+    ("sampler (rest)", ("vllm/v1/sample/",)),
+    ("runner _update_states", ("_update_states",)),
+    ("runner input prep", ("_prepare_inputs", "_prepare_input", "_get_cumsum_and_arange", "prepare_inputs")),
+    ("runner (rest)", ("vllm/v1/worker/",)),
+    ("vLLM scheduler update_from_output", ("update_from_output",)),
+    ("vLLM scheduler schedule", ("schedule (",)),
+    ("vLLM output processing", ("output_processor", "process_outputs")),
+    ("vLLM request adds", ("preprocess_add_request", "add_request", "process_inputs")),
+    ("genlm_vlm particles (particles.py)", ("genlm_vlm/engine/particles.py",)),
+    ("genlm_vlm step loop (engine/)", ("genlm_vlm/engine/",)),
+    ("vLLM engine core (rest)", ("vllm/v1/engine/", "vllm/v1/core/", "vllm/entrypoints/")),
+]
+
+
+def classify(stack: str) -> str:
+    for label, keys in PARTS:
+        if any(k in stack for k in keys):
+            return label
+    return "rest"
+
+
+def read_raw(path: str) -> dict[str, collections.Counter[str]]:
+    """``thread -> part -> samples`` from a py-spy ``-f raw --threads`` file."""
+    out: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            thread = stack.split(";", 1)[0]
+            out[thread][classify(stack)] += int(count)
+    return out
+
+
+def table(paths: list[str]) -> str:
+    cols = []
+    for p in paths:
+        threads = read_raw(p)
+        main = max(threads.values(), key=lambda c: sum(c.values()))
+        cols.append((os.path.basename(p), main))
+    labels = [label for label, _ in PARTS] + ["rest"]
+    lines = ["| | " + " | ".join(name for name, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for label in labels:
+        cells = []
+        for _, c in cols:
+            total = sum(c.values())
+            cells.append(f"{100 * c[label] / total:.1f} %" if c[label] else "-")
+        if any(x != "-" for x in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| busy samples | " + " | ".join(str(sum(c.values())) for _, c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _wrap_runner(llm):
+    """Count calls, wall and thread CPU seconds of the model runner's parts (a profiling aid:
+    instance attributes on this process's runner, nothing of vLLM's classes is changed)."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    timers: dict = {}
+
+    def wrap(name: str) -> None:
+        fn = getattr(runner, name)
+        timers[name] = [0, 0.0, 0.0]
+
+        def timed(*a, **k):
+            w, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                t = timers[name]
+                t[0] += 1
+                t[1] += time.perf_counter() - w
+                t[2] += time.thread_time() - c
+
+        setattr(runner, name, timed)
+
+    for name in ("execute_model", "_model_forward", "sample_tokens", "_update_states", "_prepare_inputs"):
+        if hasattr(runner, name):
+            wrap(name)
+    return timers
+
+
+def record(args: argparse.Namespace) -> None:
+    from genlm_vlm import demo_model_path
+    from genlm_vlm.bench import harness
+    from genlm_vlm.bench.cli import engine_options
+
+    harness.setup_environment()
+    model = args.model or demo_model_path()
+    spec = {"model": model, "engine_opts": engine_options(model, {})}
+    if args.system == "decode":
+        from genlm_vlm.bench.systems import vllm_system
+
+        system = vllm_system(spec)
+
+        def job(rep: int) -> dict:
+            return system.run("decode", n=args.n, rep=rep, tokens=args.t)
+    else:
+        from genlm_vlm.bench.systems import genlm_system
+
+        system = genlm_system(spec)
+
+        def job(rep: int) -> dict:
+            return system.run("smc", n=args.n, t=args.t, constraint=args.constraint, rep=rep,
+                              engine_path=args.system)
+    print("warm-up", job(0), file=sys.stderr)
+    if args.timers:
+        llm = system.llm if args.system == "decode" else system.lm.llm
+        timers = _wrap_runner(llm)
+        import threading
+
+        loop_thread = next((t for t in threading.enumerate() if t.name == "genlm-vlm-engine"),
+                           threading.main_thread())
+        clock = time.pthread_getcpuclockid(loop_thread.ident)
+        for rep in range(1, args.reps + 1):
+            p0, l0 = time.process_time(), time.clock_gettime(clock)
+            r = job(rep)
+            p1, l1 = time.process_time(), time.clock_gettime(clock)
+            print(f"rep {rep}: wall {r['wall_s']:.3f} s, process CPU {p1 - p0:.3f} s, loop thread CPU "
+                  f"{l1 - l0:.3f} s, load {open('/proc/loadavg').read().split()[0]}; runner (calls, wall, "
+                  "thread CPU):", {k: (n, round(w, 3), round(c, 3)) for k, (n, w, c) in timers.items()},
+                  file=sys.stderr)
+            for k in timers:
+                timers[k] = [0, 0.0, 0.0]
+        system.close()
+        return
+    spy = subprocess.Popen([args.pyspy, "record", "--pid", str(os.getpid()), "-r", "250", "-f", "raw",
+                            "--threads", *(["--idle"] if args.idle else []), "-o", args.out], stdout=subprocess.DEVNULL)
+    time.sleep(2.0)  # py-spy attaching (a profile tool, not a test)
+    walls = []
+    for rep in range(1, args.reps + 1):
+        r = job(rep)
+        walls.append(round(r["wall_s"], 3))
+    spy.send_signal(signal.SIGINT)
+    spy.wait()
+    print(f"{args.system}: walls {walls}, load {open('/proc/loadavg').read().split()[:3]}", file=sys.stderr)
+    system.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("--system", choices=["requests", "bursts", "decode"], required=True)
+    r.add_argument("--n", type=int, default=128)
+    r.add_argument("--t", type=int, default=48)
+    r.add_argument("--reps", type=int, default=5)
+    r.add_argument("--constraint", default="steady")
+    r.add_argument("--model")
+    r.add_argument("--timers", action="store_true", help="time the runner's parts instead of profiling")
+    r.add_argument("--idle", action="store_true", help="keep idle samples (py-spy --idle)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--pyspy", default=os.environ.get("PYSPY", "py-spy"))
+    t = sub.add_parser("table")
+    t.add_argument("paths", nargs="+")
+    args = p.parse_args()
+    if args.cmd == "record":
+        record(args)
+    else:
+        print(table(args.paths))
+
+
+if __name__ == "__main__":
+    main()
