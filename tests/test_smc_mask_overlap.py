@@ -23,29 +23,12 @@ import numpy as np
 import pytest
 from test_controller_seam import TIMEOUT
 from test_smc import CONSTRAINTS
+from test_smc_requests import _prompt, _same
 
 from genlm_vlm.engine.mask_overlap import THREAD_NAME
 from genlm_vlm.smc import Regex, TokenMask
 
 pytestmark = pytest.mark.filterwarnings("ignore::genlm_vlm.smc.EmptyPosteriorWarning")
-
-PROMPT = "def main():\n    return"
-
-
-def _prompt(lm) -> list[int]:
-    tok = lm.tokenizer
-    return [tok.bos_token_id, *tok.encode(PROMPT, add_special_tokens=False)]
-
-
-def _fingerprint(result) -> list:
-    return [(p.token_ids, p.log_weight, p.status) for p in result.particles]
-
-
-def _same(a, b) -> None:
-    assert _fingerprint(a) == _fingerprint(b)
-    assert a.log_marginal == b.log_marginal and a.log_marginal_cut == b.log_marginal_cut
-    assert a.ess == b.ess and a.resampled_at == b.resampled_at
-    assert a.posterior == b.posterior
 
 
 def _idle(lm) -> None:
