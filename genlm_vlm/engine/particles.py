@@ -166,8 +166,15 @@ class RequestRun(Burst):
             self.ending = ("finish", None, False)  # the run's requests are aborted as it finishes
             return
         gen = ps.generated
-        if parents is None and len(new_live) == len(live) and self._continue_singletons(gen):
-            return
+        if not (parents is None and len(new_live) == len(live) and self._continue_singletons(gen)):
+            self._regroup(old, new_live, parents, gen)
+        if self.masks is not None:  # the next step's masks, computed while vLLM runs its forward
+            self.masks.prefetch(self.controller, self.live)
+
+    def _regroup(self, old: list[Group], new_live: list[int], parents: Any, gen: list[Tokens]) -> None:
+        """The next step's groups after a step that split contexts (resampling, the first step):
+        each old group's first child keeps its request, the others fork it."""
+        ps, group_of = self.particles, self.group_of
         # Regroup: a new particle i descends from old particle a (its parent, or itself) and took
         # a's token; particles with the same old group and token share a new group.
         anc = parents if parents is not None else range(len(ps.generated))
@@ -200,8 +207,6 @@ class RequestRun(Burst):
             for ng in kids[1:]:
                 ng.fork = (rid, g.length)
         self._begin_step([ng for g in old for ng in children.get(id(g), ())])
-        if self.masks is not None:  # the next step's masks, computed while vLLM runs its forward
-            self.masks.prefetch(self.controller, self.live)
 
     def _continue_singletons(self, gen: list[Tokens]) -> bool:
         """The common step without resampling: every particle lived on and every group is one
