@@ -115,7 +115,7 @@ async def test_long_prompts_with_resampling_beside_other_traffic(llama_lm):
     got = await asyncio.wait_for(asyncio.gather(
         lm.smc(long, Regex(r"[a-z ]+"), 10, 14, engine_path="requests", **lm_args),
         lm.smc(other, Regex(r"[a-z_ ]+"), 6, 12, engine_path="requests", seed=8, ess_threshold=0.9),
-        lm.smc(long, Regex(r"[a-z ]+"), 5, 10, seed=9, ess_threshold=0.9),  # a burst
+        lm.smc(long, Regex(r"[a-z ]+"), 5, 10, seed=9, ess_threshold=0.9, engine_path="bursts"),  # a burst
         *(lm.next_token_logprobs(q) for q in queries),
     ), TIMEOUT)
     a, b, burst, *rows = got
@@ -247,7 +247,7 @@ async def test_a_particle_reaching_max_model_len_fails_as_in_a_burst(llama_lm):
     limit = ENGINE_OPTS["max_model_len"]
     prompt = _prompt(lm, limit - 5)
     req = await _outcome(lm.run_controller(prompt, Argmax(3, 100), engine_path="requests"))
-    burst = await _outcome(lm.run_controller(prompt, Argmax(3, 100)))
+    burst = await _outcome(lm.run_controller(prompt, Argmax(3, 100), engine_path="bursts"))
     ref = await _outcome(drive(lm, prompt, Argmax(3, 100)))
     assert isinstance(ref, Exception), ref
     assert type(req) is type(burst) is type(ref), (req, burst, ref)
@@ -433,7 +433,7 @@ async def test_runs_competing_for_a_small_kv_cache(small_kv_lm, llama_lm):
     a, b, burst, sample = await asyncio.wait_for(asyncio.gather(
         lm.smc(prompt, Regex(r"[a-z ]+"), 6, 16, engine_path="requests", **args[0]),
         lm.smc(prompt, Regex(r"[a-z ]+"), 5, 16, engine_path="requests", **args[1]),
-        lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=33, ess_threshold=0.9),
+        lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=33, ess_threshold=0.9, engine_path="bursts"),
         lm.sample(prompt, max_tokens=20, eos_token_ids=[], seed=34),
     ), TIMEOUT)
     _on_path(a)

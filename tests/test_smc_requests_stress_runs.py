@@ -187,7 +187,7 @@ async def test_a_forward_fault_fails_every_forced_run_and_later_runs_are_exact(f
         out = await asyncio.wait_for(asyncio.gather(
             lm.smc(prompt, Regex(r"[a-z ]+"), 6, 12, engine_path="requests", **args),
             lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, engine_path="requests", seed=20),
-            lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=21),
+            lm.smc(prompt, Regex(r"[a-z ]+"), 4, 12, seed=21, engine_path="bursts"),
             lm.next_token_logprobs([*prompt, 9, 9, 9]),
             return_exceptions=True), TIMEOUT)
     assert fault.fired == 1
