@@ -112,6 +112,60 @@ def _wrap_runner(llm):
     return timers
 
 
+#: ``--inner``: the sampler-side pieces of the requests path timed one by one: (module, owner (a
+#: class name, or None for a module function), attribute). Each is replaced, in this process only,
+#: by a wrapper that adds its calls, wall and thread CPU time (inclusive: a piece's time holds the
+#: pieces it calls).
+INNER = [
+    ("genlm_vlm.capture", "_CaptureV1", "apply"),
+    ("genlm_vlm.engine.forcing", "ParticleHost", "force"),
+    ("genlm_vlm.engine.forcing", None, "logprob_rows"),
+    ("genlm_vlm.engine.forcing", None, "force_rows"),
+    ("genlm_vlm.engine.particles", "RequestRun", "take"),
+    ("genlm_vlm.engine.particles", "RequestRun", "decide"),
+    ("genlm_vlm.smc.controller", None, "fold_rows"),
+    ("genlm_vlm.smc.controller", None, "check_decision"),
+    ("genlm_vlm.smc.controller", "ParticleSet", "apply"),
+    ("genlm_vlm.smc.controller", "ParticleSet", "live"),
+    ("genlm_vlm.engine.particles", "RequestRun", "_continue_singletons"),
+    ("genlm_vlm.engine.particles", "RequestRun", "_regroup"),
+    ("genlm_vlm.smc.algorithm", "SMCController", "step"),
+    ("genlm_vlm.smc.prefetch", "StepMasks", "_bitmasks"),
+    ("genlm_vlm.smc.step", None, "propose"),
+    ("genlm_vlm.smc.step", None, "to_host"),
+    ("genlm_vlm.smc.algorithm", "SMCController", "_take"),
+    ("genlm_vlm.smc.automaton", "BoundAutomaton", "advance_many"),
+    ("genlm_vlm.smc.algorithm", "SMCController", "_maybe_resample"),
+]
+
+
+def _wrap_inner() -> dict:
+    """Wrap the :data:`INNER` pieces (a profiling aid for this process: see :data:`INNER`)."""
+    import importlib
+
+    timers: dict = {}
+    for mod_name, owner_name, attr in INNER:
+        mod = importlib.import_module(mod_name)
+        owner = mod if owner_name is None else getattr(mod, owner_name, None)
+        fn = getattr(owner, attr, None) if owner is not None else None
+        if fn is None:
+            continue
+        key = f"{owner_name}.{attr}" if owner_name else attr
+        timers[key] = [0, 0.0, 0.0]
+
+        def timed(*a, _fn=fn, _t=timers[key], **k):
+            w, c = time.perf_counter(), time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _t[0] += 1
+                _t[1] += time.perf_counter() - w
+                _t[2] += time.thread_time() - c
+
+        setattr(owner, attr, timed)
+    return timers
+
+
 def record(args: argparse.Namespace) -> None:
     from genlm_vlm import demo_model_path
     from genlm_vlm.bench import harness
@@ -139,6 +193,8 @@ def record(args: argparse.Namespace) -> None:
     if args.timers:
         llm = system.llm if args.system == "decode" else system.lm.llm
         timers = _wrap_runner(llm)
+        if args.inner:
+            timers.update(_wrap_inner())
         import threading
 
         loop_thread = next((t for t in threading.enumerate() if t.name == "genlm-vlm-engine"),
@@ -148,12 +204,16 @@ def record(args: argparse.Namespace) -> None:
             p0, l0 = time.process_time(), time.clock_gettime(clock)
             r = job(rep)
             p1, l1 = time.process_time(), time.clock_gettime(clock)
+            if args.inner:  # microseconds of thread CPU per engine step, per piece
+                steps = max(1, timers["sample_tokens"][0]) if "sample_tokens" in timers else 1
+                print(f"rep {rep} per step (calls, us thread CPU):",
+                      {k: (n, round(1e6 * c / steps)) for k, (n, w, c) in timers.items()}, file=sys.stderr)
             print(f"rep {rep}: wall {r['wall_s']:.3f} s, process CPU {p1 - p0:.3f} s, loop thread CPU "
                   f"{l1 - l0:.3f} s, load {open('/proc/loadavg').read().split()[0]}; runner (calls, wall, "
                   "thread CPU):", {k: (n, round(w, 3), round(c, 3)) for k, (n, w, c) in timers.items()},
                   file=sys.stderr)
-            for k in timers:
-                timers[k] = [0, 0.0, 0.0]
+            for t in timers.values():
+                t[:] = [0, 0.0, 0.0]  # in place: the wrappers hold these lists
         system.close()
         return
     spy = subprocess.Popen([args.pyspy, "record", "--pid", str(os.getpid()), "-r", "250", "-f", "raw",
@@ -180,6 +240,8 @@ def main() -> None:
     r.add_argument("--constraint", default="steady")
     r.add_argument("--model")
     r.add_argument("--timers", action="store_true", help="time the runner's parts instead of profiling")
+    r.add_argument("--inner", action="store_true", help="with --timers: time the requests path's "
+                   "sampler-side pieces too (INNER), in microseconds of thread CPU per step")
     r.add_argument("--idle", action="store_true", help="keep idle samples (py-spy --idle)")
     r.add_argument("--out", required=True)
     r.add_argument("--pyspy", default=os.environ.get("PYSPY", "py-spy"))

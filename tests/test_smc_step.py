@@ -526,6 +526,25 @@ def test_the_fused_step_draws_no_column_past_its_rows_and_takes_any_strides():
     assert torch.equal(big[:, 77:], torch.full((6, 19), 50.0))
 
 
+def test_the_fused_steps_best_entry_is_the_in_order_maximum_ignoring_nan():
+    """The fused kernel's shift (``step_cpu._best``, eight running maxima) is what ``top = max(top,
+    v)`` in order gives: NaN entries ignored, ``-inf`` for none, every length mod 8 (the Python
+    function that numba compiles, run as Python; the compiled kernel is covered by the paths
+    above)."""
+    rng = np.random.default_rng(5)
+    best = getattr(C._best, "py_func", C._best)
+    for n in [0, 1, 7, 8, 9, 15, 16, 17, 100]:
+        for fill in ("normal", "nan", "-inf"):
+            vals = rng.standard_normal(n + 3).astype(np.float32)
+            if fill != "normal" and n:
+                vals[rng.random(n + 3) < 0.5] = np.nan if fill == "nan" else -np.inf
+            top = -np.inf
+            for v in vals[:n]:
+                top = max(top, v)
+            got = best(vals, n)
+            assert got == top or (np.isnan(got) and np.isnan(top)), (n, fill, got, top)
+
+
 @pytest.mark.parametrize("t", [1.0, 0.5])
 def test_the_fused_exponential_holds_over_the_whole_float64_range(t):
     """Entries from 0 down to -1,600 after the temperature (past float64's smallest normal
