@@ -115,8 +115,30 @@ class FakeRun:
         self.have += 1
         return self.have == len(self.groups)
 
+    def flat(self):
+        return False  # rows one group at a time (take), as for groups of several particles
+
     def decide(self):
         self.forced = {g.rid: int(g.row.argmax()) for g in self.groups}
+
+
+class FlatRun(FakeRun):
+    """A run whose groups are one particle each (``flat``): particle ``i`` is group ``order[i]``;
+    its rows come to ``decide`` at once, in particle order."""
+
+    def __init__(self, groups, order):
+        super().__init__(groups)
+        self.live = list(range(len(order)))
+        self.group_of = [{i: groups[k] for i, k in enumerate(order)}]
+        self.rows = None
+
+    def flat(self):
+        return True
+
+    def decide(self, rows=None):
+        assert rows is not None and self.have == len(self.groups)
+        self.rows = rows
+        self.forced = {self.group_of[0][i].rid: int(rows[i].argmax()) for i in self.live}
 
 
 def _host(groups):
@@ -171,6 +193,49 @@ def test_both_runners_force_the_same_tokens_through_one_core():
         forced[runner] = got
         assert run.have == 3
     assert forced["v1"] == forced["v2"] == {f"p{i}": int(x[r].argmax()) for i, r in enumerate((0, 2, 3))}
+
+
+def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_one_by_one():
+    """Every group one particle and every row in this call: the run's rows come as one tensor in
+    particle order (rows of the batch in another order, an ordinary request between them), each
+    bitwise the row the capture makes alone; each request is forced to its particle's token."""
+    from genlm_vlm.capture import logprob_rows
+
+    groups = _groups()
+    host = ParticleHost(SimpleNamespace(count_fault=lambda kind: None))
+    run = FlatRun(groups, order=[2, 0, 1])  # particle 0 is p2, 1 is p0, 2 is p1
+    for g in groups:
+        host.by_rid[g.rid] = (run, g)
+    x = _logits(5, v=300, seed=8) * 5
+    with torch.inference_mode():  # as in vLLM's sampler
+        logits = x.clone()
+        out = host.force(logits, [0, 1, 3, 4], ["p1", "p2", "ordinary", "p0"])
+    assert run.ending is None and out is logits
+    rows = run.rows
+    assert not rows.is_inference() and rows.shape == (3, 300) and rows.dtype == torch.float32
+    where = {"p0": 4, "p1": 0, "p2": 1}
+    for i, rid in enumerate(("p2", "p0", "p1")):
+        assert torch.equal(rows[i], logprob_rows(x, [where[rid]])[0])
+        row = out[where[rid]]
+        assert int(torch.isfinite(row).sum()) == 1 and int(row.argmax()) == int(x[where[rid]].argmax())
+    assert torch.equal(out[[2, 3]], x[[2, 3]])  # rows of no forced request are untouched
+    assert host.counts["forced_rows"] == 3 and all(g.row is None for g in groups)
+
+
+def test_logprob_matrix_has_the_bits_of_rows_made_one_by_one():
+    """``capture.logprob_matrix`` (the rows of a flat step in one tensor) is bitwise the stack of
+    the rows made one at a time, for consecutive and scattered rows, wide rows and half-precision
+    logits."""
+    from genlm_vlm.capture import logprob_matrix, logprob_rows
+
+    g = torch.Generator().manual_seed(4)
+    for v, dtype in ((300, torch.float32), (32_000, torch.float32), (1_536, torch.bfloat16)):
+        logits = (torch.randn(40, v, generator=g) * 7).to(dtype)
+        logits[5, 17] = float("-inf")
+        for rows in ([*range(3, 40)], [0, 2, 3, 9, 39], [7], [39, 5, 6, 0]):
+            got = logprob_matrix(logits, rows)
+            assert got.dtype == torch.float32 and got.shape == (len(rows), v)
+            assert torch.equal(got, torch.stack(logprob_rows(logits, rows)))
 
 
 def test_partial_prefills_and_early_rows_are_not_forced():

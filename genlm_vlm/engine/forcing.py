@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..capture import FORCE_KEY, logprob_rows
+from ..capture import FORCE_KEY, logprob_matrix, logprob_rows
 from .bursts import burst_error
 from .forks import FORK_KEY, prefill_chunk_reader
 from .jobs import adapter_key
@@ -190,18 +190,25 @@ class ParticleHost:
         for run, items in touched.items():
             where = {g.rid: r for r, g in items}
             try:
-                complete = False
-                rows_of = logprob_rows(logits, [r for r, _ in items], views=True)
-                for (_, g), row in zip(items, rows_of, strict=True):
-                    complete = run.take(g, row)
                 self.counts["forced_rows"] += len(items)
-                if complete:
-                    run.decide()
-                else:  # vLLM left some of the run's groups out of this step: see .particles
-                    for _, g in items:
-                        g.stale = True
-                    run.counts["early_rows"] += len(items)
-                    self.counts["early_rows"] += len(items)
+                if run.have == 0 and len(items) == len(run.groups) and run.flat():
+                    # every group's row at once, one particle each: the rows made in particle order
+                    # (no row per group, no stack)
+                    of = run.group_of[0]
+                    run.have = len(items)
+                    run.decide(logprob_matrix(logits, [where[of[i].rid] for i in run.live]))
+                else:
+                    complete = False
+                    rows_of = logprob_rows(logits, [r for r, _ in items], views=True)
+                    for (_, g), row in zip(items, rows_of, strict=True):
+                        complete = run.take(g, row)
+                    if complete:
+                        run.decide()
+                    else:  # vLLM left some of the run's groups out of this step: see .particles
+                        for _, g in items:
+                            g.stale = True
+                        run.counts["early_rows"] += len(items)
+                        self.counts["early_rows"] += len(items)
                 for rid, tok in run.forced.items():
                     r = where.get(rid)
                     if r is not None:

@@ -136,23 +136,30 @@ class RequestRun(Burst):
         self.have += 1
         return self.have == len(self.groups)
 
-    def decide(self) -> None:
+    def flat(self) -> bool:
+        """Whether this step's groups are one particle each, of one prompt (the common step:
+        every particle's row is its own group's)."""
+        return len(self.group_of) == 1 and len(self.groups) == len(self.live)
+
+    def decide(self, rows: torch.Tensor | None = None) -> None:
         """Every group has its row: the controller's step, checked and applied; fills
         :attr:`forced` and prepares the next step's groups (or the run's ending). A controller
-        error sets :attr:`ending` (this run fails after the step)."""
-        from ..smc.controller import Decision, check_decision, fold_rows
+        error sets :attr:`ending` (this run fails after the step). ``rows``: None (the groups'
+        rows, stacked here in particle order), or, for a :meth:`flat` step, the live particles'
+        rows already in particle order (one tensor, as stacking would give)."""
+        from ..smc.controller import check_decision, fold_rows
 
         ps = self.particles
         live, group_of = self.live, self.group_of
-        # factor-major, folded as a burst folds them (fold_rows: the rows themselves for one prompt)
-        rows = fold_rows(torch.stack([of[i].row for of in group_of for i in live]), len(group_of))  # type: ignore[misc]
+        if rows is None:  # factor-major, folded as a burst folds them (fold_rows: the rows themselves for one prompt)
+            rows = fold_rows(torch.stack([of[i].row for of in group_of for i in live]), len(group_of))  # type: ignore[misc]
         t0 = time.perf_counter()
         try:
             with torch.inference_mode(False):  # as in a burst: the controller runs outside inference mode
                 decision = self.controller.step(rows, live)
             del rows
             tokens, parents, stop = check_decision(decision, len(live), len(ps.generated), ps.vocab_size)
-            stop = ps.apply(Decision(tokens, parents, stop), live)  # the context checks (ControllerError)
+            stop = ps.apply_checked(tokens, parents, stop, live)  # the context checks (ControllerError)
         except Exception as e:  # noqa: BLE001 - the controller's (or its mask function's) error: this run only
             self.seconds += time.perf_counter() - t0
             self.ending = ("fail", e, True)

@@ -263,6 +263,14 @@ class ParticleSet:
         Checks it first (:func:`check_decision`, and the contexts against ``max_len`` unless the
         run stops); raises :class:`ControllerError`, with nothing applied, if it is malformed."""
         tokens, parents, stop = check_decision(decision, len(particles), len(self.generated), self.vocab_size)
+        return self.apply_checked(tokens, parents, stop, particles)
+
+    def apply_checked(self, tokens: list[int | None], parents: list[int] | None, stop: bool,
+                      particles: Sequence[int]) -> bool:
+        """:meth:`apply` for a decision that :func:`check_decision` already checked and
+        normalised for these ``particles`` and this set (its ``(tokens, parents, stop)``), so
+        that a runner that needs the normalised decision itself checks it once. The contexts are
+        still checked against ``max_len`` here (:class:`ControllerError`, nothing applied)."""
         gen, flags = list(self.generated), list(self.live_flags)
         longest = self._longest
         for i, tok in zip(particles, tokens, strict=True):

@@ -429,5 +429,7 @@ def _gather(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float, w
 def to_host(tokens: torch.Tensor, incr: torch.Tensor) -> tuple[list[int], np.ndarray]:
     """The step's result on the host in one transfer: tokens (list of int, -1 = dies) and
     increments (float64 numpy)."""
+    if tokens.device.type == "cpu" and incr.device.type == "cpu":  # already here: no stack, no copy through float64
+        return tokens.long().tolist(), incr.to(torch.float64).numpy().copy()
     both = torch.stack((tokens.to(torch.float64), incr)).cpu().numpy()
     return [int(k) for k in both[0]], both[1].copy()
