@@ -223,19 +223,24 @@ def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_o
 
 
 def test_logprob_matrix_has_the_bits_of_rows_made_one_by_one():
-    """``capture.logprob_matrix`` (the rows of a flat step in one tensor) is bitwise the stack of
-    the rows made one at a time, for consecutive and scattered rows, wide rows and half-precision
-    logits."""
+    """``capture.logprob_matrix`` (the rows of a flat step in one tensor, made with the forcer's
+    one thread) is bitwise the stack of the rows made one at a time with two threads, for
+    consecutive and scattered rows, wide rows and half-precision logits."""
     from genlm_vlm.capture import logprob_matrix, logprob_rows
+    from genlm_vlm.engine.forcing import FORCER_THREADS
+    from genlm_vlm.smc.step import _Threads
 
     g = torch.Generator().manual_seed(4)
     for v, dtype in ((300, torch.float32), (32_000, torch.float32), (1_536, torch.bfloat16)):
         logits = (torch.randn(40, v, generator=g) * 7).to(dtype)
         logits[5, 17] = float("-inf")
         for rows in ([*range(3, 40)], [0, 2, 3, 9, 39], [7], [39, 5, 6, 0]):
-            got = logprob_matrix(logits, rows)
+            with _Threads(FORCER_THREADS):
+                got = logprob_matrix(logits, rows)
+            with _Threads(2):
+                alone = torch.stack(logprob_rows(logits, rows))
             assert got.dtype == torch.float32 and got.shape == (len(rows), v)
-            assert torch.equal(got, torch.stack(logprob_rows(logits, rows)))
+            assert torch.equal(got, alone)
 
 
 def test_partial_prefills_and_early_rows_are_not_forced():

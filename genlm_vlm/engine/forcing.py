@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..capture import FORCE_KEY, logprob_matrix, logprob_rows
+from ..smc.step import _Threads
 from .bursts import burst_error
 from .forks import FORK_KEY, prefill_chunk_reader
 from .jobs import adapter_key
@@ -34,6 +35,17 @@ if TYPE_CHECKING:
     from .particles import Group, RequestRun
 
 logger = logging.getLogger(__name__)
+
+
+#: torch intra-op threads for the forcer's work inside vLLM's sampler on the CPU (the rows'
+#: ``log_softmax``, the controllers' steps, the ``-inf`` rewrite), or None: the sampler's own
+#: count (vLLM's CPU worker sets every core for the forward). One by default, as for the SMC step
+#: (:data:`genlm_vlm.smc.step.CPU_STEP_THREADS`): these ops are a few hundred microseconds on
+#: one thread, and with two, each waits at an OpenMP barrier for a worker thread that the OS may
+#: have given to another process: on this project's shared 2-core machine (load 4-5) the
+#: ``-inf`` rewrite of 128 x 1,536 took 1.3-3.2 ms of engine-thread CPU a step instead of 0.08 ms.
+#: The rows and the draws do not depend on it (each row is computed by one thread either way).
+FORCER_THREADS: int | None = 1
 
 
 def _forced_params() -> Any:
@@ -185,6 +197,12 @@ class ParticleHost:
             touched.setdefault(run, []).append((r, g))
         if not touched:
             return logits
+        with _Threads(FORCER_THREADS if logits.device.type == "cpu" else None):
+            self._force(logits, touched)
+        return logits
+
+    def _force(self, logits: torch.Tensor, touched: dict[RequestRun, list[tuple[int, Group]]]) -> None:
+        """:meth:`force` for the runs with rows in this call (``touched``: run -> (row, group))."""
         index: list[int] = []
         tokens: list[int] = []
         for run, items in touched.items():
@@ -222,7 +240,6 @@ class ParticleHost:
                 run.forced = {}
         if index:
             force_rows(logits, index, tokens)
-        return logits
 
     # ---------------------------------------------------------------- after a step
     def after_step(self, outputs: list[Any]) -> None:
