@@ -8,7 +8,9 @@ the run's remaining budget), marked in ``SamplingParams.extra_args`` with
 :data:`~genlm_vlm.capture.FORCE_KEY`. Its rows reach :class:`~.forcing.ParticleHost` inside vLLM's
 sampler (the capture processors hand them over); when every group of the run has its row for
 this step, the run stacks them in particle order (one tensor per live particle, the group's row
-repeated, as a burst stacks a shared row), calls ``controller.step``, checks and applies the
+repeated, as a burst stacks a shared row; in a *flat* step, every group one particle of one
+prompt with its row in the same sampler call, the rows are made in particle order at once:
+:func:`~genlm_vlm.capture.logprob_matrix`), calls ``controller.step``, checks and applies the
 decision (:class:`~genlm_vlm.smc.controller.ParticleSet`, as every runner does) and returns the
 token each group's request is forced to take: its row becomes ``-inf`` but for that token, and
 vLLM's own decode loop computes it at the next step. One SMC step is one engine step. In a
