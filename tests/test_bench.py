@@ -174,7 +174,7 @@ def test_the_requests_path_adds_the_bursts_lane_and_its_checks():
 def test_the_product_cell_runs_two_prompts_on_every_lane():
     cell = plan(["smc"], [4], 8, "regex", "requests", product=True)[0]
     assert [lane.label for lane in cell.lanes] == ["lm.smc", "lm.smc (bursts)", "python reference", "vllm decode",
-                                                   "vllm structured"]
+                                                   "vllm decode (same steps)", "vllm structured"]
     assert all(lane.kwargs.get("product") is True for lane in cell.lanes)
     assert not any("product" in lane.kwargs for lane in plan(["smc"], [4], 8, "regex")[0].lanes)
     args = cli._parser().parse_args(["--workloads", "smc", "--product", "--engine-path", "requests"])
@@ -195,6 +195,26 @@ def test_mask_overlap_adds_its_lane_and_its_checks():
     problems = runner.check_cell(cell, runs, {"vllm decode": {"tokens_asked": 8}})
     assert any("lm.smc (mask overlap) and the Python reference drew different" in p for p in problems)
     assert cli.check(cli._parser().parse_args(["--mask-overlap", "--engine-path", "requests"]))["workloads"]
+
+
+def test_same_steps_decode_has_the_smc_runs_live_counts():
+    from genlm_vlm.bench.workloads import same_step_lengths
+
+    live = [4, 4, 3, 3, 4, 1, 0]  # a resample may bring a finished slot back; 0: nothing left
+    lengths = same_step_lengths(live, 4)
+    assert sum(lengths) == sum(live) and max(lengths) == 6  # the same tokens in as many steps
+    # the widths of its steps, widest first, are the SMC run's live counts, sorted
+    widths = [sum(1 for x in lengths if x > t) for t in range(max(lengths))]
+    assert widths == sorted([m for m in live if m], reverse=True)
+    labels = [lane.label for lane in plan(["smc"], [4], 8, "regex")[0].lanes]
+    assert labels.index("vllm decode (same steps)") == labels.index("vllm decode") + 1
+    assert "vllm decode (same steps)" not in [lane.label for lane in plan(["smc"], [4], 8, "steady")[0].lanes]
+    cell = plan(["smc"], [4], 8, "regex")[0]
+    ok = {"wall_s": 1.0, "particle_steps": 32, "particles": 4, "fingerprint": "x"}
+    runs = {lane.label: [ok] for lane in cell.lanes}
+    runs["vllm decode (same steps)"] = [{**ok, "particle_steps": 30}]
+    warm = {"vllm decode": {"tokens_asked": 8}, "vllm decode (same steps)": {"tokens_asked": 8.0}}
+    assert runner.check_cell(cell, runs, warm) == ["smc N=4 vllm decode (same steps): 30 tokens, 32 asked"]
 
 
 def test_plan_and_inputs():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import harness
-from .workloads import Cell, Lane, plan, processes_for
+from .workloads import SAME_STEPS, Cell, Lane, plan, processes_for, same_step_lengths
 
 
 @dataclass
@@ -67,10 +67,11 @@ def check_cell(cell: Cell, runs: dict[str, list[dict[str, Any]]], warm: dict[str
                 if r.get("engine_path", want) != want:
                     problems.append(f"smc N={n} rep {i}: {label} asked for engine_path={want!r} and ran on "
                                     f"{r.get('engine_path')!r} ({r.get('fallback')})")
-        want = n * warm["vllm decode"]["tokens_asked"]
-        for r in runs["vllm decode"]:
-            if r["particle_steps"] != want:
-                problems.append(f"smc N={n} vllm decode: {r['particle_steps']} tokens, {want} asked")
+        for label in [x for x in ("vllm decode", SAME_STEPS) if x in runs and x in warm]:
+            want = round(n * warm[label]["tokens_asked"])
+            for r in runs[label]:
+                if r["particle_steps"] != want:
+                    problems.append(f"smc N={n} {label}: {r['particle_steps']} tokens, {want} asked")
     return problems
 
 
@@ -92,13 +93,16 @@ def run_cell(cell: Cell, procs: dict[str, harness.SystemProcess], reps: int,
     def job(lane: Lane) -> Callable[[int], dict[str, Any]]:
         def go(rep: int) -> dict[str, Any]:
             kwargs = dict(lane.kwargs, rep=rep)
-            if lane.job == "decode":  # as many tokens per sequence as lm.smc's particles took
+            if lane.label == SAME_STEPS:  # sequences that end where lm.smc's live count drops
+                kwargs["lengths"] = shared["lengths"]
+            elif lane.job == "decode":  # as many tokens per sequence as lm.smc's particles took
                 kwargs["tokens"] = shared["tokens"]
             res = procs[lane.process].run(lane.job, **kwargs)
             if lane.label == "lm.smc" and rep == 0:
                 shared["tokens"] = max(1, round(res["particle_steps"] / cell.n))
+                shared["lengths"] = same_step_lengths(res.get("rows_per_step") or [], cell.n)
             if lane.job == "decode":
-                res["tokens_asked"] = kwargs["tokens"]
+                res["tokens_asked"] = sum(kwargs["lengths"]) / cell.n if "lengths" in kwargs else kwargs["tokens"]
             return res
         return go
 

@@ -137,7 +137,7 @@ class GenlmSystem:
         wall = time.perf_counter() - t0
         return {"wall_s": wall, "particle_steps": r.stats["rows"], "steps": r.stats["steps"],
                 "particles": len(r.particles), "distinct": len({tuple(p.token_ids) for p in r.particles}),
-                "resamples": r.stats["resamples"], "fingerprint": _fingerprint(r.particles),
+                "resamples": r.stats["resamples"], "rows_per_step": r.stats.get("rows_per_step"), "fingerprint": _fingerprint(r.particles),
                 "engine_path": r.stats.get("engine_path"), "fallback": r.stats.get("engine_path_fallback"),
                 "mask_s": r.stats.get("mask_s"), "controller_s": r.stats.get("controller_s"),
                 "mask_overlap": r.stats.get("mask_overlap")}
@@ -237,13 +237,18 @@ class VllmSystem:
         widths = [len(o.outputs[0].logprobs[0]) for o in outs if o.outputs[0].logprobs]
         return {"wall_s": wall, "rows": len(widths), "width": min(widths, default=0)}
 
-    def job_decode(self, n: int, rep: int, tokens: int, product: bool = False) -> dict[str, Any]:
-        """``n`` sequences of ``tokens`` tokens (``product``: ``n`` on each factor's prompt, one
-        particle-step counted per pair of tokens)."""
+    def job_decode(self, n: int, rep: int, tokens: int = 0, product: bool = False,
+                   lengths: list[int] | None = None) -> dict[str, Any]:
+        """``n`` sequences of ``tokens`` tokens, or of ``lengths[i]`` tokens each (``product``:
+        ``n`` on each factor's prompt, one particle-step counted per pair of tokens)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True)
         prompts = self.prompts if product else [self.prompt]
+        if lengths is None:
+            params: Any = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True)
+        else:
+            params = [SamplingParams(max_tokens=lengths[i], temperature=1.0, detokenize=False, ignore_eos=True)
+                      for _ in prompts for i in range(n)]
         outs, wall = self._generate([p + [3 + i % 500] for p in prompts for i in range(n)], params)
         k = len(prompts)
         return {"wall_s": wall, "particle_steps": sum(len(o.outputs[0].token_ids) for o in outs) // k,
