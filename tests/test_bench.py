@@ -247,6 +247,8 @@ def test_report_table_header_files_and_svg(tmp_path, monkeypatch):
     res = _result()
     text = report.table(res)
     assert "| smc | 8 | lm.smc / vllm decode | **2** | 200 / 100 particle-steps/s | ok, distinct 8-8/8 |" in text
+    res["cells"][1]["cpu_ratios"] = {"vllm decode": 2.5}  # the systems reported their CPU seconds
+    assert "| smc | 32 | lm.smc / vllm decode | **3** (CPU 2.5) | 200 / 100" in report.table(res)
     head = report.header(res)
     assert "vLLM 0.32.0" in head and "runner: V1, dtype: float32, eager" in head and "0.50 0.40 0.30" in head
     assert report.series(res) == {"smc: lm.smc / vllm decode": [(8, 2.0), (32, 3.0)]}

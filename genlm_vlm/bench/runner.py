@@ -111,9 +111,12 @@ def run_cell(cell: Cell, procs: dict[str, harness.SystemProcess], reps: int,
     rates = {label: harness.median_rate(rs, cell.work_key) for label, rs in runs.items()}
     main = cell.lanes[0].label
     ratios = {label: rates[main] / rate for label, rate in rates.items() if label != main and rate and rates[main]}
+    # the same from each system's process CPU seconds (less disturbed than wall by other work on the machine)
+    cpu = {label: harness.median_rate(rs, cell.work_key, "cpu_s") for label, rs in runs.items()}
+    cpu_ratios = {label: cpu[main] / rate for label, rate in cpu.items() if label != main and rate and cpu[main]}
     return {
         "workload": cell.workload, "n": cell.n, "unit": cell.unit, "work_key": cell.work_key, "main": main,
-        "rates": rates, "ratios": ratios, "order": done["order"], "agreement": agreement(runs),
+        "rates": rates, "ratios": ratios, "cpu_ratios": cpu_ratios, "order": done["order"], "agreement": agreement(runs),
         "problems": check_cell(cell, runs, warm),
         "runs": {label: [_drop_bulk(r) for r in rs] for label, rs in runs.items()},
     }
