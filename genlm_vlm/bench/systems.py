@@ -140,7 +140,7 @@ class GenlmSystem:
                 "resamples": r.stats["resamples"], "rows_per_step": r.stats.get("rows_per_step"), "fingerprint": _fingerprint(r.particles),
                 "engine_path": r.stats.get("engine_path"), "fallback": r.stats.get("engine_path_fallback"),
                 "mask_s": r.stats.get("mask_s"), "controller_s": r.stats.get("controller_s"),
-                "mask_overlap": r.stats.get("mask_overlap")}
+                "mask_overlap": r.stats.get("mask_overlap"), "particle_requests": r.stats.get("particle_requests")}
 
     def job_score(self, n: int, rep: int) -> dict[str, Any]:
         records = W.score_records(n, self.vocab, rep)
