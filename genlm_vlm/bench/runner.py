@@ -100,7 +100,8 @@ def run_cell(cell: Cell, procs: dict[str, harness.SystemProcess], reps: int,
             res = procs[lane.process].run(lane.job, **kwargs)
             if lane.label == "lm.smc" and rep == 0:
                 shared["tokens"] = max(1, round(res["particle_steps"] / cell.n))
-                shared["lengths"] = same_step_lengths(res.get("rows_per_step") or [], cell.n)
+                live = res.get("rows_per_step")  # without it (an older result): decode's own lengths
+                shared["lengths"] = same_step_lengths(live, cell.n) if live else [shared["tokens"]] * cell.n
             if lane.job == "decode":
                 res["tokens_asked"] = sum(kwargs["lengths"]) / cell.n if "lengths" in kwargs else kwargs["tokens"]
             return res
