@@ -173,7 +173,9 @@ class RequestRun(Burst):
 
     def _regroup(self, old: list[Group], new_live: list[int], parents: Any, gen: list[Tokens]) -> None:
         """The next step's groups after a step that split contexts (resampling, the first step):
-        each old group's first child keeps its request, the others fork it."""
+        each old group's first child keeps its request, the others fork it. A step where
+        particles only finished, every group one particle, just drops their groups
+        (:meth:`_drop_finished`)."""
         if parents is None and self._drop_finished(old, new_live, gen):
             return
         ps, group_of = self.particles, self.group_of
