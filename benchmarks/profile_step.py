@@ -6,6 +6,12 @@ Run (one system per process; the profile starts after one warm-up run and covers
     python benchmarks/profile_step.py record --system decode --n 128 --t 48 --out prof-decode.txt
     python benchmarks/profile_step.py table prof-requests.txt prof-decode.txt
 
+With particles that finish and resample (``--constraint regex``), ``record`` writes the live
+counts of its warm-up run to ``OUT.steps.json``; ``--system decode --same-steps OUT.steps.json``
+then decodes sequences that end where those counts drop (the same steps, of the same widths).
+``--timers`` prints, per run, the SMC and engine steps, the requests path's new requests, forks,
+re-adds and aborts, and the model runner's parts (calls, wall, thread CPU).
+
 ``requests`` is ``lm.smc(..., engine_path="requests")`` on the steady constraint (``bursts``: the
 default path), ``decode`` the bench's vLLM-decode baseline of the same tokens; both are the bench's
 own systems (:mod:`genlm_vlm.bench.systems`) with the bench's engine options. ``table`` prints the
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -178,11 +185,16 @@ def record(args: argparse.Namespace) -> None:
     spec = {"model": model, "engine_opts": engine_options(model, {})}
     if args.system == "decode":
         from genlm_vlm.bench.systems import vllm_system
+        from genlm_vlm.bench.workloads import same_step_lengths
 
         system = vllm_system(spec)
+        lengths = None
+        if args.same_steps:  # the live counts a requests/bursts record wrote: the same steps, same widths
+            with open(args.same_steps) as f:
+                lengths = same_step_lengths(json.load(f)["rows_per_step"], args.n)
 
         def job(rep: int) -> dict:
-            return system.run("decode", n=args.n, rep=rep, tokens=args.t)
+            return system.run("decode", n=args.n, rep=rep, tokens=args.t, lengths=lengths)
     else:
         from genlm_vlm.bench.systems import genlm_system
 
@@ -191,7 +203,11 @@ def record(args: argparse.Namespace) -> None:
         def job(rep: int) -> dict:
             return system.run("smc", n=args.n, t=args.t, constraint=args.constraint, rep=rep,
                               engine_path=args.system)
-    print("warm-up", job(0), file=sys.stderr)
+    warm = job(0)
+    print("warm-up", warm, file=sys.stderr)
+    if warm.get("rows_per_step"):  # for a decode record of the same steps (--same-steps)
+        with open(args.out + ".steps.json", "w") as f:
+            json.dump({"rows_per_step": warm["rows_per_step"]}, f)
     if args.timers:
         llm = system.llm if args.system == "decode" else system.lm.llm
         timers = _wrap_runner(llm)
@@ -202,14 +218,20 @@ def record(args: argparse.Namespace) -> None:
         loop_thread = next((t for t in threading.enumerate() if t.name == "genlm-vlm-engine"),
                            threading.main_thread())
         clock = time.pthread_getcpuclockid(loop_thread.ident)
+        engine = None if args.system == "decode" else system.lm
         for rep in range(1, args.reps + 1):
             p0, l0 = time.process_time(), time.clock_gettime(clock)
+            e0 = engine.stats["engine_steps"] if engine is not None else 0
             r = job(rep)
             p1, l1 = time.process_time(), time.clock_gettime(clock)
             if args.inner:  # microseconds of thread CPU per engine step, per piece
                 steps = max(1, timers["sample_tokens"][0]) if "sample_tokens" in timers else 1
                 print(f"rep {rep} per step (calls, us thread CPU):",
                       {k: (n, round(1e6 * c / steps)) for k, (n, w, c) in timers.items()}, file=sys.stderr)
+            if engine is not None:  # the run's counts: SMC steps, engine steps, new requests, aborts
+                print(f"rep {rep}: rows {r['particle_steps']}, SMC steps {r['steps']}, engine steps "
+                      f"{engine.stats['engine_steps'] - e0}, resamples {r['resamples']}, requests path "
+                      f"{r.get('particle_requests')}", file=sys.stderr)
             print(f"rep {rep}: wall {r['wall_s']:.3f} s, process CPU {p1 - p0:.3f} s, loop thread CPU "
                   f"{l1 - l0:.3f} s, load {open('/proc/loadavg').read().split()[0]}; runner (calls, wall, "
                   "thread CPU):", {k: (n, round(w, 3), round(c, 3)) for k, (n, w, c) in timers.items()},
@@ -244,6 +266,8 @@ def main() -> None:
     r.add_argument("--timers", action="store_true", help="time the runner's parts instead of profiling")
     r.add_argument("--inner", action="store_true", help="with --timers: time the requests path's "
                    "sampler-side pieces too (INNER), in microseconds of thread CPU per step")
+    r.add_argument("--same-steps", help="decode: sequences ending where the live counts in this file "
+                   "(OUT.steps.json of a requests or bursts record) drop")
     r.add_argument("--idle", action="store_true", help="keep idle samples (py-spy --idle)")
     r.add_argument("--out", required=True)
     r.add_argument("--pyspy", default=os.environ.get("PYSPY", "py-spy"))

@@ -174,7 +174,7 @@ def test_the_requests_path_adds_the_bursts_lane_and_its_checks():
 def test_the_product_cell_runs_two_prompts_on_every_lane():
     cell = plan(["smc"], [4], 8, "regex", "requests", product=True)[0]
     assert [lane.label for lane in cell.lanes] == ["lm.smc", "lm.smc (bursts)", "python reference", "vllm decode",
-                                                   "vllm structured"]
+                                                   "vllm decode (same steps)", "vllm structured"]
     assert all(lane.kwargs.get("product") is True for lane in cell.lanes)
     assert not any("product" in lane.kwargs for lane in plan(["smc"], [4], 8, "regex")[0].lanes)
     args = cli._parser().parse_args(["--workloads", "smc", "--product", "--engine-path", "requests"])
@@ -195,6 +195,26 @@ def test_mask_overlap_adds_its_lane_and_its_checks():
     problems = runner.check_cell(cell, runs, {"vllm decode": {"tokens_asked": 8}})
     assert any("lm.smc (mask overlap) and the Python reference drew different" in p for p in problems)
     assert cli.check(cli._parser().parse_args(["--mask-overlap", "--engine-path", "requests"]))["workloads"]
+
+
+def test_same_steps_decode_has_the_smc_runs_live_counts():
+    from genlm_vlm.bench.workloads import same_step_lengths
+
+    live = [4, 4, 3, 3, 4, 1, 0]  # a resample may bring a finished slot back; 0: nothing left
+    lengths = same_step_lengths(live, 4)
+    assert sum(lengths) == sum(live) and max(lengths) == 6  # the same tokens in as many steps
+    # the widths of its steps, widest first, are the SMC run's live counts, sorted
+    widths = [sum(1 for x in lengths if x > t) for t in range(max(lengths))]
+    assert widths == sorted([m for m in live if m], reverse=True)
+    labels = [lane.label for lane in plan(["smc"], [4], 8, "regex")[0].lanes]
+    assert labels.index("vllm decode (same steps)") == labels.index("vllm decode") + 1
+    assert "vllm decode (same steps)" not in [lane.label for lane in plan(["smc"], [4], 8, "steady")[0].lanes]
+    cell = plan(["smc"], [4], 8, "regex")[0]
+    ok = {"wall_s": 1.0, "particle_steps": 32, "particles": 4, "fingerprint": "x"}
+    runs = {lane.label: [ok] for lane in cell.lanes}
+    runs["vllm decode (same steps)"] = [{**ok, "particle_steps": 30}]
+    warm = {"vllm decode": {"tokens_asked": 8}, "vllm decode (same steps)": {"tokens_asked": 8.0}}
+    assert runner.check_cell(cell, runs, warm) == ["smc N=4 vllm decode (same steps): 30 tokens, 32 asked"]
 
 
 def test_plan_and_inputs():
@@ -227,6 +247,8 @@ def test_report_table_header_files_and_svg(tmp_path, monkeypatch):
     res = _result()
     text = report.table(res)
     assert "| smc | 8 | lm.smc / vllm decode | **2** | 200 / 100 particle-steps/s | ok, distinct 8-8/8 |" in text
+    res["cells"][1]["cpu_ratios"] = {"vllm decode": 2.5}  # the systems reported their CPU seconds
+    assert "| smc | 32 | lm.smc / vllm decode | **3** (CPU 2.5) | 200 / 100" in report.table(res)
     head = report.header(res)
     assert "vLLM 0.32.0" in head and "runner: V1, dtype: float32, eager" in head and "0.50 0.40 0.30" in head
     assert report.series(res) == {"smc: lm.smc / vllm decode": [(8, 2.0), (32, 3.0)]}

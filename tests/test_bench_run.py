@@ -28,7 +28,8 @@ def test_quick_bench_end_to_end(tmp_path: pathlib.Path) -> None:
                  "device: CPU"):
         assert line in text, text
     for ratio in ("| rows | 4 | genlm_vlm awaits / vllm logprobs=-1 |", "| smc | 4 | lm.smc / python reference |",
-                  "| smc | 4 | lm.smc / vllm decode |", "| smc | 4 | lm.smc / vllm structured |"):
+                  "| smc | 4 | lm.smc / vllm decode |", "| smc | 4 | lm.smc / vllm decode (same steps) |",
+                  "| smc | 4 | lm.smc / vllm structured |"):
         assert ratio in text, text
     res = json.loads((out / "bench.json").read_text())
     assert res["ok"] is True and res["config"]["n"] == [4] and res["config"]["reps"] == 1
@@ -43,11 +44,14 @@ def test_quick_bench_end_to_end(tmp_path: pathlib.Path) -> None:
     smc = cells[("smc", 4)]
     assert smc["problems"] == [] and all(r > 0 for r in smc["ratios"].values())
     assert smc["runs"]["lm.smc"][0]["fingerprint"] == smc["runs"]["python reference"][0]["fingerprint"]
+    # the same-steps decode ran its 4 sequences (check_cell: as many tokens as its lengths asked)
+    assert smc["runs"]["vllm decode (same steps)"][0]["particles"] == 4
+    assert sum(smc["runs"]["lm.smc"][0]["rows_per_step"]) == smc["runs"]["lm.smc"][0]["particle_steps"]
     rows = cells[("rows", 4)]
     assert all(r["rows"] == 16 for rs in rows["runs"].values() for r in rs)  # 4 waves of 4
     assert rows["runs"]["vllm logprobs=-1"][0]["width"] >= rows["runs"]["genlm_vlm awaits"][0]["width"]
     plot = pathlib.Path(res["files"]["plot"])
     assert plot.exists() and plot.stat().st_size > 0
-    assert (out / "table.md").read_text().count("| smc | 4 |") == 3
+    assert (out / "table.md").read_text().count("| smc | 4 |") == 4
     assert (out / "logs" / "vllm.log").exists()
     assert not (out / "partial.json").exists()  # written after each cell, replaced by bench.json

@@ -75,6 +75,33 @@ def test_forks_compute_their_partial_block_only(llama_lm):
     assert counts["fork_prefill_tokens"] <= counts["forks"]
 
 
+def test_particles_that_finish_without_resampling_drop_their_groups(llama_lm, monkeypatch):
+    # A step where particles finish, without resampling, every group one particle: the finished
+    # particles' groups are dropped (their requests aborted) and no other group changes.
+    from genlm_vlm.engine.particles import RequestRun
+
+    dropped = []
+    real = RequestRun._drop_finished
+
+    def spy(self, old, new_live, gen):
+        done = real(self, old, new_live, gen)
+        if done:
+            dropped.append(len(old) - len(self.groups))
+        return done
+
+    monkeypatch.setattr(RequestRun, "_drop_finished", spy)
+    lm = llama_lm
+    prompt = _prompt(lm)
+    args = dict(seed=3, ess_threshold=0.0, temperature=1.5)
+    req = lm.smc_sync(prompt, Regex(r"[a-z]{1,6}"), 12, 16, engine_path="requests", **args)
+    ref = lm.smc_sync(prompt, Regex(r"[a-z]{1,6}"), 12, 16, in_engine=False, **args)
+    _same(req, ref)
+    assert sum(dropped) > 0  # the path ran, and dropped groups of finished particles
+    counts = req.stats["particle_requests"]
+    assert counts["aborted"] == counts["requests"]  # every request ended by the run, none twice
+    assert req.stats["finished"] > 0
+
+
 def test_engine_path_is_checked(llama_lm):
     prompt = _prompt(llama_lm)
     with pytest.raises(ValueError, match="engine_path must be 'auto'"):

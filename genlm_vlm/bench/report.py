@@ -41,7 +41,8 @@ def _num(x: float | None, digits: int = 3) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """The ratio table (markdown): one line per cell and compared system. A ratio is genlm_vlm's
-    median rate over the other system's (above 1: genlm_vlm did the same work faster)."""
+    median rate over the other system's (above 1: genlm_vlm did the same work faster); where the
+    systems reported their process CPU seconds, the same ratio from those follows it ("CPU")."""
     lines = ["| workload | N | ratio | value | rates (median) | checks |", "|---|---|---|---|---|---|"]
     for c in result["cells"]:
         main = c["main"]
@@ -53,7 +54,9 @@ def table(result: dict[str, Any]) -> str:
             checks += f", distinct {min(d)}-{max(d)}/{c['n']}" if d and None not in d else ""
         for label, ratio in c["ratios"].items():
             rates = f"{_num(c['rates'][main])} / {_num(c['rates'][label])} {c['unit']}"
-            lines.append(f"| {c['workload']} | {c['n']} | {main} / {label} | **{_num(ratio)}** | {rates} | {checks} |")
+            cpu = c.get("cpu_ratios", {}).get(label)
+            value = f"**{_num(ratio)}**" + (f" (CPU {_num(cpu)})" if cpu else "")
+            lines.append(f"| {c['workload']} | {c['n']} | {main} / {label} | {value} | {rates} | {checks} |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import harness
-from .workloads import Cell, Lane, plan, processes_for
+from .workloads import SAME_STEPS, Cell, Lane, plan, processes_for, same_step_lengths
 
 
 @dataclass
@@ -67,10 +67,11 @@ def check_cell(cell: Cell, runs: dict[str, list[dict[str, Any]]], warm: dict[str
                 if r.get("engine_path", want) != want:
                     problems.append(f"smc N={n} rep {i}: {label} asked for engine_path={want!r} and ran on "
                                     f"{r.get('engine_path')!r} ({r.get('fallback')})")
-        want = n * warm["vllm decode"]["tokens_asked"]
-        for r in runs["vllm decode"]:
-            if r["particle_steps"] != want:
-                problems.append(f"smc N={n} vllm decode: {r['particle_steps']} tokens, {want} asked")
+        for label in [x for x in ("vllm decode", SAME_STEPS) if x in runs and x in warm]:
+            want = round(n * warm[label]["tokens_asked"])
+            for r in runs[label]:
+                if r["particle_steps"] != want:
+                    problems.append(f"smc N={n} {label}: {r['particle_steps']} tokens, {want} asked")
     return problems
 
 
@@ -92,13 +93,17 @@ def run_cell(cell: Cell, procs: dict[str, harness.SystemProcess], reps: int,
     def job(lane: Lane) -> Callable[[int], dict[str, Any]]:
         def go(rep: int) -> dict[str, Any]:
             kwargs = dict(lane.kwargs, rep=rep)
-            if lane.job == "decode":  # as many tokens per sequence as lm.smc's particles took
+            if lane.label == SAME_STEPS:  # sequences that end where lm.smc's live count drops
+                kwargs["lengths"] = shared["lengths"]
+            elif lane.job == "decode":  # as many tokens per sequence as lm.smc's particles took
                 kwargs["tokens"] = shared["tokens"]
             res = procs[lane.process].run(lane.job, **kwargs)
             if lane.label == "lm.smc" and rep == 0:
                 shared["tokens"] = max(1, round(res["particle_steps"] / cell.n))
+                live = res.get("rows_per_step")  # without it (an older result): decode's own lengths
+                shared["lengths"] = same_step_lengths(live, cell.n) if live else [shared["tokens"]] * cell.n
             if lane.job == "decode":
-                res["tokens_asked"] = kwargs["tokens"]
+                res["tokens_asked"] = sum(kwargs["lengths"]) / cell.n if "lengths" in kwargs else kwargs["tokens"]
             return res
         return go
 
@@ -107,9 +112,12 @@ def run_cell(cell: Cell, procs: dict[str, harness.SystemProcess], reps: int,
     rates = {label: harness.median_rate(rs, cell.work_key) for label, rs in runs.items()}
     main = cell.lanes[0].label
     ratios = {label: rates[main] / rate for label, rate in rates.items() if label != main and rate and rates[main]}
+    # the same from each system's process CPU seconds (less disturbed than wall by other work on the machine)
+    cpu = {label: harness.median_rate(rs, cell.work_key, "cpu_s") for label, rs in runs.items()}
+    cpu_ratios = {label: cpu[main] / rate for label, rate in cpu.items() if label != main and rate and cpu[main]}
     return {
         "workload": cell.workload, "n": cell.n, "unit": cell.unit, "work_key": cell.work_key, "main": main,
-        "rates": rates, "ratios": ratios, "order": done["order"], "agreement": agreement(runs),
+        "rates": rates, "ratios": ratios, "cpu_ratios": cpu_ratios, "order": done["order"], "agreement": agreement(runs),
         "problems": check_cell(cell, runs, warm),
         "runs": {label: [_drop_bulk(r) for r in rs] for label, rs in runs.items()},
     }

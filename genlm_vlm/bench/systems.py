@@ -129,18 +129,18 @@ class GenlmSystem:
              "grammar": lambda: Grammar(W.GRAMMAR)}[constraint]()
         ess = 0.0 if constraint == "steady" else 0.5
         self._fresh()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         prompt, prompts = (None, self.prompts) if product else (self.prompt, None)
         r = self.loop.run_until_complete(self.lm.smc(prompt, c, n, t, seed=rep, in_engine=in_engine, prompts=prompts,
                                                      ess_threshold=ess, engine_path=engine_path,
                                                      mask_overlap=mask_overlap))
-        wall = time.perf_counter() - t0
-        return {"wall_s": wall, "particle_steps": r.stats["rows"], "steps": r.stats["steps"],
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {"wall_s": wall, "cpu_s": cpu, "particle_steps": r.stats["rows"], "steps": r.stats["steps"],
                 "particles": len(r.particles), "distinct": len({tuple(p.token_ids) for p in r.particles}),
-                "resamples": r.stats["resamples"], "fingerprint": _fingerprint(r.particles),
+                "resamples": r.stats["resamples"], "rows_per_step": r.stats.get("rows_per_step"), "fingerprint": _fingerprint(r.particles),
                 "engine_path": r.stats.get("engine_path"), "fallback": r.stats.get("engine_path_fallback"),
                 "mask_s": r.stats.get("mask_s"), "controller_s": r.stats.get("controller_s"),
-                "mask_overlap": r.stats.get("mask_overlap")}
+                "mask_overlap": r.stats.get("mask_overlap"), "particle_requests": r.stats.get("particle_requests")}
 
     def job_score(self, n: int, rep: int) -> dict[str, Any]:
         records = W.score_records(n, self.vocab, rep)
@@ -220,8 +220,9 @@ class VllmSystem:
 
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         self.llm.reset_prefix_cache()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = self.llm.generate(inputs, params, use_tqdm=False)
+        self.cpu_s = time.process_time() - c0  # this process's CPU seconds (every thread's)
         return outs, time.perf_counter() - t0
 
     def job_rows(self, n: int, rep: int, rounds: int = 1) -> dict[str, Any]:
@@ -237,16 +238,21 @@ class VllmSystem:
         widths = [len(o.outputs[0].logprobs[0]) for o in outs if o.outputs[0].logprobs]
         return {"wall_s": wall, "rows": len(widths), "width": min(widths, default=0)}
 
-    def job_decode(self, n: int, rep: int, tokens: int, product: bool = False) -> dict[str, Any]:
-        """``n`` sequences of ``tokens`` tokens (``product``: ``n`` on each factor's prompt, one
-        particle-step counted per pair of tokens)."""
+    def job_decode(self, n: int, rep: int, tokens: int = 0, product: bool = False,
+                   lengths: list[int] | None = None) -> dict[str, Any]:
+        """``n`` sequences of ``tokens`` tokens, or of ``lengths[i]`` tokens each (``product``:
+        ``n`` on each factor's prompt, one particle-step counted per pair of tokens)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True)
         prompts = self.prompts if product else [self.prompt]
+        if lengths is None:
+            params: Any = SamplingParams(max_tokens=tokens, temperature=1.0, detokenize=False, ignore_eos=True)
+        else:
+            params = [SamplingParams(max_tokens=lengths[i], temperature=1.0, detokenize=False, ignore_eos=True)
+                      for _ in prompts for i in range(n)]
         outs, wall = self._generate([p + [3 + i % 500] for p in prompts for i in range(n)], params)
         k = len(prompts)
-        return {"wall_s": wall, "particle_steps": sum(len(o.outputs[0].token_ids) for o in outs) // k,
+        return {"wall_s": wall, "cpu_s": self.cpu_s, "particle_steps": sum(len(o.outputs[0].token_ids) for o in outs) // k,
                 "particles": len(outs) // k}
 
     def job_structured(self, n: int, t: int, constraint: str, rep: int, product: bool = False) -> dict[str, Any]:
@@ -265,7 +271,7 @@ class VllmSystem:
                                  structured_outputs=so) for i in range(n * k)]
         outs, wall = self._generate([list(p) for p in prompts for _ in range(n)], params)
         toks = [tuple(o.outputs[0].token_ids) for o in outs]
-        return {"wall_s": wall, "particle_steps": sum(map(len, toks)) // k, "particles": len(toks) // k,
+        return {"wall_s": wall, "cpu_s": self.cpu_s, "particle_steps": sum(map(len, toks)) // k, "particles": len(toks) // k,
                 "distinct": len(set(toks))}
 
     def job_score(self, n: int, rep: int) -> dict[str, Any]:

@@ -36,6 +36,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 #: Waves of N concurrent row requests in one timed run of the ``rows`` workload.
 ROWS_ROUNDS = 4
 GRAMMAR = 'root ::= word (" " word)*\nword ::= [a-z]+\n'
+#: The ``smc`` cell's decode lane whose sequences end where lm.smc's particles stop (not ``steady``).
+SAME_STEPS = "vllm decode (same steps)"
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,14 @@ def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "auto", ma
         if mask_overlap:
             bursts += (Lane("lm.smc (mask overlap)", "genlm_vlm", "smc",
                             {**kw, "engine_path": engine_path, "mask_overlap": True}),)
+        pk = {"product": True} if product else {}
+        # Where particles finish, lm.smc's batch narrows step by step over its T steps, while
+        # "vllm decode" runs every sequence to the same length (the same tokens in fewer, wider
+        # steps); "vllm decode (same steps)" ends its sequences where lm.smc's live count drops.
+        same = () if constraint == "steady" else (Lane(SAME_STEPS, "vllm", "decode", {"n": n, **pk}),)
         return Cell(w, n, (Lane("lm.smc", "genlm_vlm", "smc", {**kw, "engine_path": engine_path}), *bursts,
                            Lane("python reference", "genlm_vlm", "smc", {**kw, "in_engine": False}),
-                           Lane("vllm decode", "vllm", "decode", {"n": n, **({"product": True} if product else {})}),
+                           Lane("vllm decode", "vllm", "decode", {"n": n, **pk}), *same,
                            Lane("vllm structured", "vllm", "structured", kw)), "particle_steps", "particle-steps/s")
     if w == "scoring":
         return Cell(w, n, (Lane("lm.score", "genlm_vlm", "score", {"n": n}),
@@ -120,6 +127,14 @@ def _cell(w: str, n: int, t: int, constraint: str, engine_path: str = "auto", ma
 
 
 # ------------------------------------------------------------------------------ inputs
+def same_step_lengths(rows_per_step: list[int], n: int) -> list[int]:
+    """``n`` sequence lengths whose decode has ``rows_per_step[t]`` sequences running at step
+    ``t`` once sorted (the same tokens, the same number of steps and the same batch widths as an
+    SMC run with those live counts): sequence ``i`` runs for as many steps as had more than ``i``
+    live particles (at least one token each)."""
+    return [max(1, sum(1 for m in rows_per_step if m > i)) for i in range(n)]
+
+
 def rows_prompts(n: int, vocab: int, rep: int, min_len: int = 24, max_len: int = 48) -> list[list[int]]:
     """``n`` distinct random prompts of token ids in ``[3, vocab)`` for repetition ``rep`` (each
     repetition its own prompts, so no cache serves a later one)."""

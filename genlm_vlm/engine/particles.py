@@ -182,7 +182,11 @@ class RequestRun(Burst):
 
     def _regroup(self, old: list[Group], new_live: list[int], parents: Any, gen: list[Tokens]) -> None:
         """The next step's groups after a step that split contexts (resampling, the first step):
-        each old group's first child keeps its request, the others fork it."""
+        each old group's first child keeps its request, the others fork it. A step where
+        particles only finished, every group one particle, just drops their groups
+        (:meth:`_drop_finished`)."""
+        if parents is None and self._drop_finished(old, new_live, gen):
+            return
         ps, group_of = self.particles, self.group_of
         # Regroup: a new particle i descends from old particle a (its parent, or itself) and took
         # a's token; particles with the same old group and token share a new group.
@@ -216,6 +220,29 @@ class RequestRun(Burst):
             for ng in kids[1:]:
                 ng.fork = (rid, g.length)
         self._begin_step([ng for g in old for ng in children.get(id(g), ())])
+
+    def _drop_finished(self, old: list[Group], new_live: list[int], gen: list[Tokens]) -> bool:
+        """A step without resampling where particles finished, every group one particle with its
+        request in the batch: the finished particles' groups are dropped (their requests aborted
+        after the step), every other group keeps its request and takes its particle's token (what
+        the regrouping gives, without new groups or rebinding). False (nothing changed) when that
+        does not hold."""
+        for g in old:
+            if len(g.members) != 1 or g.rid is None or g.stale:
+                return False
+        alive = set(new_live)
+        kept: list[Group] = []
+        forced, to_abort = self.forced, self.to_abort
+        for g in old:
+            i = g.members[0]
+            if i in alive:
+                forced[g.rid] = gen[i][-1]  # type: ignore[index]
+                g.length += 1
+                kept.append(g)
+            else:
+                to_abort.append(g.rid)  # type: ignore[arg-type]
+        self._begin_step(kept)
+        return True
 
     def _continue_singletons(self, gen: list[Tokens]) -> bool:
         """The common step without resampling: every particle lived on and every group is one

@@ -276,6 +276,7 @@ class SMCController(StepMasks, Controller):
         self.steps = 0
         self.died_at: int | None = None
         self.rows = 0
+        self.rows_per_step: list[int] = []  # live particles at each step (their sum: rows)
         self.seconds = 0.0
         self.cpu_seconds = 0.0  # the calling thread's CPU time in step(): wall minus waiting for a core
         self.mask_seconds = 0.0
@@ -307,6 +308,7 @@ class SMCController(StepMasks, Controller):
         self.steps += 1
         m = len(particles)
         self.rows += m
+        self.rows_per_step.append(m)
         rows = torch.as_tensor(rows)
         if self.device is not None and rows.device != self.device:
             rows = rows.to(self.device)
@@ -432,6 +434,7 @@ class SMCController(StepMasks, Controller):
         stats = {
             "steps": self.steps,
             "rows": self.rows,
+            "rows_per_step": list(self.rows_per_step),
             "resamples": len(self.resampled_at),
             "finished": sum(p.status == "finished" for p in particles),
             "cut": sum(p.status == "cut" for p in particles),
