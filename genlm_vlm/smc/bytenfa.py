@@ -138,6 +138,26 @@ def _csr(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[list[int], list[int]
     return dst[order].tolist(), off.tolist()
 
 
+def _sweep(edges: list[tuple[int, int, int]]) -> list[tuple[int, int, Sequence[int]]]:
+    """Byte moves ``(low, high, target)``, possibly overlapping, as disjoint intervals ``(x, y,
+    targets)``: the bytes ``x..y-1`` lead to exactly ``targets``; bytes in none, nowhere."""
+    edges.sort()
+    if all(a[1] < b[0] for a, b in zip(edges, edges[1:], strict=False)):  # disjoint: each its own interval
+        return [(lo, hi + 1, [t]) for lo, hi, t in edges]
+    cuts = sorted({lo for lo, _hi, _t in edges} | {hi + 1 for _lo, hi, _t in edges})
+    out: list[tuple[int, int, Sequence[int]]] = []
+    active: list[tuple[int, int, int]] = []
+    i = 0
+    for x, y in zip(cuts, cuts[1:], strict=False):
+        while i < len(edges) and edges[i][0] <= x:
+            active.append(edges[i])
+            i += 1
+        active = [e for e in active if e[1] >= x]
+        if active:
+            out.append((x, y, [t for _lo, _hi, t in active]))
+    return out
+
+
 class ByteNFA:
     """A nondeterministic automaton over bytes: ``eps[s]`` the states ``s`` moves to without
     input, ``arcs[s]`` its ``(trie, next state)`` arcs (the trie's byte sequences lead from ``s``
@@ -344,14 +364,16 @@ class ByteNFA:
         out.sort()
         return out
 
-    def moves(self, positions: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    def moves(self, positions: np.ndarray) -> list[tuple[int, int, Sequence[int]]]:
         """The moves of a set of positions on every byte, as ``(x, y, targets)``: the bytes
-        ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`); bytes in no
-        interval lead nowhere."""
+        ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`; a list or an
+        array); bytes in no interval lead nowhere."""
         pos = np.asarray(positions, dtype=np.int64)
         if len(pos) <= SMALL_SET:  # a few positions: their cached edge lists (numpy calls cost more)
-            lo = hi = tg = np.zeros(0, dtype=np.int64)
             inner = [e for p in pos.tolist() for e in self.edges(p)]
+            if len(inner) <= 1:
+                return [(lo, hi + 1, [t]) for lo, hi, t in inner]
+            return _sweep(inner)
         else:
             states = pos[pos < self.n]
             off, r_lo, r_hi, r_tg = self._state_edges()
