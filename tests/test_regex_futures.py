@@ -84,3 +84,37 @@ def test_a_class_state_makes_only_the_states_its_bytes_read() -> None:
     state = auto.advance(auto.initial(), 1)
     assert dfa.step(state, "é".encode())  # a lead byte read later: its state made then
     assert dfa.matches(("a" * 29 + "é").encode()) and not dfa.matches(("a" * 29 + "é!").encode())
+
+
+@pytest.mark.parametrize("pattern", [r"(?:[a-c]{0,6}){0,5}", r"(?:a|b?){40}", r"(?:\w{1,3}\s?){2,9}", r"(a|b)*a(a|b){4}"])
+def test_wide_closures_are_the_set_closures(pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closures of many targets go level by level in numpy (``ByteNFA._wide_closure``): with the
+    thresholds at 2 targets and 1 state a level, every closure of two or more targets takes that
+    path, each equals the set closure's, and the masks equal the DFA walked token by token."""
+    import numpy as np
+
+    from genlm_vlm.smc import bytenfa
+
+    nfa = Regex(pattern).byte_nfa()
+    rng = random.Random(pattern)
+    state = nfa.closure([nfa.start])
+    checked = 0
+    for _ in range(40):
+        moves = nfa.moves(state)
+        if not moves:
+            break
+        _x, _y, targets = moves[rng.randrange(len(moves))]
+        targets = np.asarray(targets, dtype=np.int64)
+        narrow = nfa.closure(targets.tolist())
+        monkeypatch.setattr(bytenfa, "WIDE_FRONT", 1)
+        monkeypatch.setattr(bytenfa, "WIDE_SET", 2)
+        wide = nfa.closure(targets)
+        monkeypatch.setattr(bytenfa, "WIDE_SET", 1024)
+        assert np.array_equal(wide, narrow)
+        checked += len(targets) > 2
+        state = narrow
+    assert checked >= 5
+    monkeypatch.setattr(bytenfa, "WIDE_SET", 2)
+    vocab = _mixed_vocab(rng)
+    auto = Regex(pattern).bind(vocab, [0], len(vocab), {})
+    assert check_masks_by_walking(auto, vocab, len(vocab), rng, 10, 15) >= 60

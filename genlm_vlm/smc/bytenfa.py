@@ -34,8 +34,22 @@ MAX_SET = 50_000
 SMALL_SET = 32
 
 
+#: Closures of more targets than this go level by level in numpy (:meth:`ByteNFA.closure`), while
+#: a level holds more than :data:`WIDE_FRONT` states.
+WIDE_SET = 1024
+WIDE_FRONT = 16
+
+
 class TooLarge(ValueError):
     """A limit on work or memory was reached (the message names it and the way out)."""
+
+
+def _too_large() -> TooLarge:
+    return TooLarge(
+        f"one state of its deterministic automaton holds more than {MAX_SET:,} positions of the "
+        "nondeterministic one (nested or overlapping repeats): write fewer nested optional repeats, "
+        "e.g. [a-z]{0,10000} for (?:[a-z]{0,100}){0,100}"
+    )
 
 
 def utf8_sequences(lo: int, hi: int) -> Iterator[list[tuple[int, int]]]:
@@ -223,6 +237,7 @@ class ByteNFA:
         self.dtype = np.int32 if top < 2**31 else np.int64
         self._edges: dict[int, list[tuple[int, int, int]]] = {}
         self._roots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None  # _succ as arrays (wide closures)
         self._digest: bytes | None = None
 
     @classmethod
@@ -332,6 +347,10 @@ class ByteNFA:
         """The sorted positions (states with arcs or final, and points inside arcs) reached from
         ``targets`` by epsilon moves, live ones only: a deterministic state's identity. Raises
         :class:`TooLarge` past :data:`MAX_SET` positions."""
+        if not isinstance(targets, list | tuple | np.ndarray):
+            targets = list(targets)
+        if len(targets) > WIDE_SET:
+            return self._wide_closure(np.asarray(targets, dtype=np.int64))
         n, succ, live = self.n, self._succ, self.live
         inside: set[int] = set()
         seen: set[int] = set()
@@ -353,16 +372,54 @@ class ByteNFA:
                         seen.add(t)
                         todo.append(t)
             if len(seen) > MAX_SET:
-                raise TooLarge(
-                    f"one state of its deterministic automaton holds more than {MAX_SET:,} positions of the "
-                    "nondeterministic one (nested or overlapping repeats): write fewer nested optional repeats, "
-                    "e.g. [a-z]{0,10000} for (?:[a-z]{0,100}){0,100}"
-                )
+                raise _too_large()
         states = np.fromiter(seen, dtype=np.int64, count=len(seen))
-        out = np.concatenate([states[self._important[states]], np.fromiter(inside, dtype=np.int64, count=len(inside))])
-        out = out.astype(self.dtype)
+        return self._identity(states, np.fromiter(inside, dtype=np.int64, count=len(inside)))
+
+    def _identity(self, states: np.ndarray, inside: np.ndarray) -> np.ndarray:
+        out = np.concatenate([states[self._important[states]], inside]).astype(self.dtype)
         out.sort()
         return out
+
+    def _wide_closure(self, targets: np.ndarray) -> np.ndarray:
+        """:meth:`closure` of many targets: one numpy gather per level of epsilon moves over the
+        successor lists as arrays (a narrow level goes on in :meth:`closure`'s loop)."""
+        n = self.n
+        if self._succ_csr is None:
+            off = np.concatenate([[0], np.cumsum([len(x) for x in self._succ])]).astype(np.int64)
+            to = np.fromiter(itertools.chain.from_iterable(self._succ), dtype=np.int64, count=int(off[-1]))
+            self._succ_csr = (off, to)
+        off, to = self._succ_csr
+        inside = np.unique(targets[targets >= n])
+        front = targets[targets < n]
+        seen = np.zeros(n, dtype=bool)
+        seen[front[self._live[front]]] = True
+        front = np.flatnonzero(seen)  # sorted, distinct (cheaper than np.unique)
+        count = len(front)
+        fresh = np.zeros(n, dtype=bool)
+        while len(front) > WIDE_FRONT:
+            first, many = off[front], off[front + 1] - off[front]
+            k = np.arange(int(many.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(many) - many), many)
+            nxt = to[k]
+            fresh[nxt[~seen[nxt]]] = True
+            front = np.flatnonzero(fresh)
+            fresh[front] = False
+            seen[front] = True
+            count += len(front)
+            if count > MAX_SET:
+                raise _too_large()
+        states = np.flatnonzero(seen)
+        if len(front):  # a narrow level: on state by state (a chain of moves)
+            done, todo, succ = set(states.tolist()), front.tolist(), self._succ
+            while todo:
+                for t in succ[todo.pop()]:
+                    if t not in done:
+                        done.add(t)
+                        todo.append(t)
+                if len(done) > MAX_SET:
+                    raise _too_large()
+            states = np.fromiter(done, dtype=np.int64, count=len(done))
+        return self._identity(states, inside)
 
     def moves(self, positions: np.ndarray) -> list[tuple[int, int, Sequence[int]]]:
         """The moves of a set of positions on every byte, as ``(x, y, targets)``: the bytes

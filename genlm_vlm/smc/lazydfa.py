@@ -75,7 +75,7 @@ class LazyDFA:
         self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ keys and slots
-    def _closure(self, targets: Iterable[int]) -> np.ndarray:
+    def _closure(self, targets: Sequence[int] | np.ndarray) -> np.ndarray:
         try:
             return self.nfa.closure(targets)
         except TooLarge as e:
@@ -201,7 +201,7 @@ class LazyDFA:
         i = bisect.bisect_right(starts, byte) - 1
         x, y, tg = starts[i], ends[i], targets[i]
         assert x <= byte < y
-        key = self._key(self._closure(tg.tolist() if isinstance(tg, np.ndarray) else tg))
+        key = self._key(self._closure(tg))
         t = self.slot(key) if key else 0
         row = self._rows[s]  # the same list unless slot() evicted nothing (it never trims)
         assert row is not None
