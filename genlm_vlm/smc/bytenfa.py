@@ -157,7 +157,7 @@ def _sweep(edges: list[tuple[int, int, int]]) -> list[tuple[int, int, Sequence[i
     targets)``: the bytes ``x..y-1`` lead to exactly ``targets``; bytes in none, nowhere."""
     edges.sort()
     if all(a[1] < b[0] for a, b in zip(edges, edges[1:], strict=False)):  # disjoint: each its own interval
-        return [(lo, hi + 1, [t]) for lo, hi, t in edges]
+        return [(lo, hi + 1, (t,)) for lo, hi, t in edges]
     cuts = sorted({lo for lo, _hi, _t in edges} | {hi + 1 for _lo, hi, _t in edges})
     out: list[tuple[int, int, Sequence[int]]] = []
     active: list[tuple[int, int, int]] = []
@@ -168,7 +168,7 @@ def _sweep(edges: list[tuple[int, int, int]]) -> list[tuple[int, int, Sequence[i
             i += 1
         active = [e for e in active if e[1] >= x]
         if active:
-            out.append((x, y, [t for _lo, _hi, t in active]))
+            out.append((x, y, tuple(t for _lo, _hi, t in active)))
     return out
 
 
@@ -429,7 +429,7 @@ class ByteNFA:
         if len(pos) <= SMALL_SET:  # a few positions: their cached edge lists (numpy calls cost more)
             inner = [e for p in pos.tolist() for e in self.edges(p)]
             if len(inner) <= 1:
-                return [(lo, hi + 1, [t]) for lo, hi, t in inner]
+                return [(lo, hi + 1, (t,)) for lo, hi, t in inner]
             return _sweep(inner)
         else:
             states = pos[pos < self.n]
