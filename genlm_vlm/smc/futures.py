@@ -25,8 +25,9 @@ part they are in, and share a signature while the repeat's end is more than ``L`
 away: their row is walked once, not once per copy.
 
 A signature costs one entry per (position, depth) it meets, memoised: a counted repeat's next
-state costs about ``L`` new entries. A request that would need more than :data:`BUDGET` new entries
-gives up (the caller walks the vocabulary instead); past :data:`MAX_ENTRIES` entries the memo and
+state costs about ``L`` new entries. A request that would need more than :data:`BUDGET` of work,
+or meets a closure of more than :data:`MAX_CLOSURE` positions, gives up (the caller walks the
+vocabulary instead); past :data:`MAX_ENTRIES` entries the memo and
 the interned structures are dropped together, with every row filed under them (:attr:`rows`), so
 an integer never names two structures.
 """
@@ -46,6 +47,8 @@ from .regex import paused_gc
 BUDGET = 4096
 #: Signatures that may give up, none computed, before sharing is turned off for the automaton.
 GIVE_UP = 8
+#: A signature that meets an arc whose target's closure holds more positions gives up.
+MAX_CLOSURE = 256
 #: Entries (memo and interned structures together) kept before all are dropped.
 MAX_ENTRIES = 1 << 19
 #: Deepest signature computed (the recursion is two frames per level): past it, no sharing.
@@ -114,7 +117,10 @@ class Futures:
     def _closure(self, t: int) -> tuple[int, ...]:
         got = self._closures.get(t)
         if got is None:
-            got = self._closures[t] = tuple(self.nfa.closure([t]).tolist())
+            got = tuple(self.nfa.closure([t]).tolist())
+            if len(got) > MAX_CLOSURE:  # a wide future (nested optional repeats): not signed
+                raise _OverBudget
+            self._closures[t] = got
         return got
 
     def _position(self, p: int, d: int) -> int:
