@@ -49,8 +49,9 @@ BUDGET = 4096
 GIVE_UP = 8
 #: A signature that meets an arc whose target's closure holds more positions gives up.
 MAX_CLOSURE = 256
-#: Entries (memo and interned structures together) kept before all are dropped.
-MAX_ENTRIES = 1 << 19
+#: Entries (memo, interned structures and closures together: some 200 bytes each) kept before
+#: all are dropped.
+MAX_ENTRIES = 1 << 17
 #: Deepest signature computed (the recursion is two frames per level): past it, no sharing.
 MAX_DEPTH = 200
 
