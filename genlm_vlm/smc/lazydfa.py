@@ -58,9 +58,9 @@ class LazyDFA:
         self._keys: list[bytes | None] = [b""] + [None] * (cap - 1)
         self._rows: list[list[int] | None] = [[0] * 256] + [None] * (cap - 1)
         #: Per touched slot: its moves' intervals not made yet (starts, ends, the positions each
-        #: leads to before the closure), and the bytes its row was counted for.
+        #: leads to before the closure).
         self._pending: dict[int, tuple[list[int], list[int], list[Sequence[int]]]] = {}
-        self._row_bytes = np.zeros(cap, dtype=np.int64)
+        self._row_bytes = np.zeros(cap, dtype=np.int64)  # the bytes each touched row was counted for
         self._slot: dict[bytes, int] = {b"": 0}
         self._free = list(range(cap - 1, 0, -1))
         self._tick = 1
