@@ -15,6 +15,17 @@ each repetition, repetition r seeded r. It prints each pattern's time per step a
 in the same repetition (the first repetition, which binds the pattern and makes its states and
 mask rows, apart from the later ones, which mostly reuse them) and `stats["constraint_s"]` per step.
 
+A run's time is a fixed part (the prompt, the first step's forks, the result) and a part per step;
+a run whose particles all finish early (`\\w{30}`: about 20 steps) spreads the fixed part over
+fewer steps. So each T-token run is followed by the same run with T = 1 (same pattern and seed,
+after it: the states it makes are made), and the table also gives, against `[a-z ]+`:
+
+* `step`: the time a step past the first adds, `(wall(T) - wall(1)) / (steps - 1)` (runs of one or
+  two steps: none);
+* `fixed`: `wall(1)`: the prompt, its one row sampled for every particle, the result (a run's first
+  step samples every particle from the prompt's row, so it costs what the T = 1 run does);
+* `p-step`: the wall time per particle-step, `wall(T) / stats["rows"]` (the rows the model gave).
+
     .venv/bin/python benchmarks/bench_regex_bind.py --steps --reps 4
 """
 
@@ -99,38 +110,58 @@ def steps(patterns: list[str], n: int, t: int, reps: int) -> None:
         "Write a line of text:\n", add_special_tokens=False)
     loop = asyncio.new_event_loop()
     names = [BASE] + [p for p in patterns if p != BASE]
-    # per run: (wall s/step, CPU s/step, constraint s/step, steps)
-    got: dict[str, list[tuple[float, float, float, int]]] = {p: [] for p in names}
+    # per run: wall s/step, CPU s/step, constraint s/step, steps, step s (or None), fixed s, wall s/particle-step
+    got: dict[str, list[tuple[float, float, float, int, float | None, float | None, float]]] = {p: [] for p in names}
+
+    def once(p: str, tokens: int, seed: int) -> tuple[float, float, object]:
+        lm.clear_cache()
+        t0, c0 = time.perf_counter(), time.process_time()
+        r = loop.run_until_complete(lm.smc(prompt, Regex(p), n, tokens, seed=seed))
+        return time.perf_counter() - t0, time.process_time() - c0, r
+
     for rep in range(reps):
         for p in names:
-            lm.clear_cache()
-            t0, c0 = time.perf_counter(), time.process_time()
-            r = loop.run_until_complete(lm.smc(prompt, Regex(p), n, t, seed=rep))
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            wall, cpu, r = once(p, t, rep)
+            wall1, _cpu1, _r1 = once(p, 1, rep)
             k = max(1, r.stats["steps"])
-            got[p].append((wall / k, cpu / k, r.stats["constraint_s"] / k, r.stats["steps"]))
+            step = (wall - wall1) / (k - 1) if k > 2 else None
+            fixed = wall1
+            tokens = max(1, r.stats["rows"])
+            got[p].append((wall / k, cpu / k, r.stats["constraint_s"] / k, r.stats["steps"], step, fixed, wall / tokens))
+            extra = f"step {1e3 * step:7.2f} ms, fixed {1e3 * fixed:7.1f} ms" if step is not None else "step n/a"
             print(f"  rep {rep} {p[:26]:26} {1e3 * wall / k:8.2f} ms/step, CPU {1e3 * cpu / k:8.2f} ms/step, "
-                  f"constraint {1e3 * got[p][-1][2]:7.2f} ms/step, {r.stats['steps']} steps", flush=True)
+                  f"constraint {1e3 * got[p][-1][2]:7.2f} ms/step, {r.stats['steps']} steps; {extra}, "
+                  f"{1e6 * wall / tokens:7.1f} us/particle-step", flush=True)
         with open("/proc/loadavg") as f:
             print(f"repetition {rep} done, load average {f.read().split()[:3]}", flush=True)
     print(f"\nlm.smc, demo model, N = {n}, T = {t}; per step: wall ms and the process's CPU ms (every thread), "
-          f"each as a ratio to {BASE!r} in the same repetition, and constraint_s in ms")
-    print(f"{'pattern':26} | first: {'wall':>8} {'ratio':>5} {'cpu':>8} {'ratio':>5} {'constr':>7} | "
-          f"later: {'wall':>8} {'ratio':>5} {'cpu':>8} {'ratio':>5} {'constr':>7} | steps")
+          f"each as a ratio to {BASE!r} in the same repetition, and constraint_s in ms; then the time a step adds "
+          "(ms), the run's fixed part (ms) and the wall per particle-step (us), each with its ratio")
+    print(f"{'pattern':26} | {'':6} {'wall':>8} {'ratio':>5} {'cpu':>8} {'ratio':>5} {'constr':>7} | "
+          f"{'step':>7} {'ratio':>5} {'fixed':>7} {'ratio':>5} {'p-step':>7} {'ratio':>5} | steps")
 
-    def cells(runs: list[tuple[float, float, float, int]], base: list[tuple[float, float, float, int]]) -> str:
+    def med_ratio(runs: list, base: list, i: int) -> tuple[float, float] | None:
+        pairs = [(x[i], b[i]) for x, b in zip(runs, base, strict=True) if x[i] is not None and b[i] is not None]
+        if not pairs:
+            return None
+        return statistics.median(x for x, _ in pairs), statistics.median(x / b for x, b in pairs)
+
+    def cells(runs: list, base: list) -> str:
         if not runs:
-            return " " * 46
-        wall = statistics.median(x[0] for x in runs)
-        cpu = statistics.median(x[1] for x in runs)
-        rw = statistics.median(x[0] / b[0] for x, b in zip(runs, base, strict=True))
-        rc = statistics.median(x[1] / b[1] for x, b in zip(runs, base, strict=True))
-        cs = statistics.median(x[2] for x in runs)
-        return f"{1e3 * wall:8.2f} {rw:5.2f} {1e3 * cpu:8.2f} {rc:5.2f} {1e3 * cs:7.2f}"
+            return ""
+        out = []
+        for i, scale, width in ((0, 1e3, 8), (1, 1e3, 8), (2, 1e3, 7), (4, 1e3, 7), (5, 1e3, 7), (6, 1e6, 7)):
+            m = med_ratio(runs, base, i)
+            if i == 2:
+                out.append(f"{scale * m[0]:{width}.2f}" if m else f"{'n/a':>{width}}")
+                out.append("|")
+                continue
+            out.append(f"{scale * m[0]:{width}.2f} {m[1]:5.2f}" if m else f"{'n/a':>{width}} {'':5}")
+        return " ".join(out)
 
     for p in names:
-        print(f"{p[:26]:26} | first: {cells(got[p][:1], got[BASE][:1])} | later: {cells(got[p][1:], got[BASE][1:])} | "
-              f"{'/'.join(str(x[3]) for x in got[p])}", flush=True)
+        print(f"{p[:26]:26} | first: {cells(got[p][:1], got[BASE][:1])} | {'/'.join(str(x[3]) for x in got[p])}")
+        print(f"{'':26} | later: {cells(got[p][1:], got[BASE][1:])} |", flush=True)
 
 
 def main() -> None:

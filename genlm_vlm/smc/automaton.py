@@ -37,6 +37,7 @@ import numpy as np
 
 from .bytenfa import ByteNFA
 from .constraint_base import BoundConstraint, Constraint, ConstraintError
+from .futures import Futures
 from .lazydfa import ByteDFA, LazyDFA
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ SPLIT_MAX = 64
 SPLIT_CREDIT = 8
 #: Bytes of the per-position rows (:meth:`TokenMasks._text_row`) one table keeps.
 TEXT_ROW_BYTES = 16 << 20
+#: States of at most this many NFA positions look their text row up by the signature of their
+#: near future (:mod:`.futures`) before walking; larger ones are walked.
+SIGNATURE_MAX = 256
 
 
 class TokenWalk:
@@ -135,6 +139,9 @@ class TokenMasks:
         self._text: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._text_max = max(64, TEXT_ROW_BYTES // (4 * walk.words))
         self.walked = 0  # vocabulary walks (a row made from its positions' rows needs none)
+        #: Rows shared by states with the same near future (:mod:`.futures`).
+        self.futures = Futures(dfa.nfa, walk.longest, self._text_max)
+        self.shared = 0  # text rows found under a signature (no walk, no union)
         #: Walks the position unions may still spend past the walks they saved (see :meth:`_text_row`).
         self._credit = SPLIT_CREDIT
 
@@ -240,8 +247,11 @@ class TokenMasks:
             return got
         dfa = self.dfa
         positions = dfa.positions(key)
-        bits: np.ndarray | None = None
-        if 1 < len(positions) <= SPLIT_MAX:
+        signature = self.futures.signature(positions.tolist()) if len(positions) <= SIGNATURE_MAX else None
+        bits = None if signature is None else self.futures.find(signature)
+        if bits is not None:
+            self.shared += 1
+        elif 1 < len(positions) <= SPLIT_MAX:
             subs = [dfa.position_key(p) for p in positions.tolist()]
             extra = sum(sub not in self._text for sub in subs) - 1  # walks past the one a walk of key costs
             if key not in subs and extra <= self._credit:
@@ -252,6 +262,8 @@ class TokenMasks:
         if bits is None:
             bits = _pack_row(self.walk.allowed(dfa, dfa.slot(key), eos=False))
             self.walked += 1
+        if signature is not None:
+            self.futures.file(signature, bits)
         self._text[key] = bits
         while len(self._text) > self._text_max:
             self._text.popitem(last=False)

@@ -34,8 +34,22 @@ MAX_SET = 50_000
 SMALL_SET = 32
 
 
+#: Closures of more targets than this go level by level in numpy (:meth:`ByteNFA.closure`), while
+#: a level holds more than :data:`WIDE_FRONT` states.
+WIDE_SET = 1024
+WIDE_FRONT = 16
+
+
 class TooLarge(ValueError):
     """A limit on work or memory was reached (the message names it and the way out)."""
+
+
+def _too_large() -> TooLarge:
+    return TooLarge(
+        f"one state of its deterministic automaton holds more than {MAX_SET:,} positions of the "
+        "nondeterministic one (nested or overlapping repeats): write fewer nested optional repeats, "
+        "e.g. [a-z]{0,10000} for (?:[a-z]{0,100}){0,100}"
+    )
 
 
 def utf8_sequences(lo: int, hi: int) -> Iterator[list[tuple[int, int]]]:
@@ -138,6 +152,26 @@ def _csr(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[list[int], list[int]
     return dst[order].tolist(), off.tolist()
 
 
+def _sweep(edges: list[tuple[int, int, int]]) -> list[tuple[int, int, Sequence[int]]]:
+    """Byte moves ``(low, high, target)``, possibly overlapping, as disjoint intervals ``(x, y,
+    targets)``: the bytes ``x..y-1`` lead to exactly ``targets``; bytes in none, nowhere."""
+    edges.sort()
+    if all(a[1] < b[0] for a, b in zip(edges, edges[1:], strict=False)):  # disjoint: each its own interval
+        return [(lo, hi + 1, (t,)) for lo, hi, t in edges]
+    cuts = sorted({lo for lo, _hi, _t in edges} | {hi + 1 for _lo, hi, _t in edges})
+    out: list[tuple[int, int, Sequence[int]]] = []
+    active: list[tuple[int, int, int]] = []
+    i = 0
+    for x, y in zip(cuts, cuts[1:], strict=False):
+        while i < len(edges) and edges[i][0] <= x:
+            active.append(edges[i])
+            i += 1
+        active = [e for e in active if e[1] >= x]
+        if active:
+            out.append((x, y, tuple(t for _lo, _hi, t in active)))
+    return out
+
+
 class ByteNFA:
     """A nondeterministic automaton over bytes: ``eps[s]`` the states ``s`` moves to without
     input, ``arcs[s]`` its ``(trie, next state)`` arcs (the trie's byte sequences lead from ``s``
@@ -203,6 +237,7 @@ class ByteNFA:
         self.dtype = np.int32 if top < 2**31 else np.int64
         self._edges: dict[int, list[tuple[int, int, int]]] = {}
         self._roots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None  # _succ as arrays (wide closures)
         self._digest: bytes | None = None
 
     @classmethod
@@ -312,6 +347,10 @@ class ByteNFA:
         """The sorted positions (states with arcs or final, and points inside arcs) reached from
         ``targets`` by epsilon moves, live ones only: a deterministic state's identity. Raises
         :class:`TooLarge` past :data:`MAX_SET` positions."""
+        if not isinstance(targets, list | tuple | np.ndarray):
+            targets = list(targets)
+        if len(targets) > WIDE_SET:
+            return self._wide_closure(np.asarray(targets, dtype=np.int64))
         n, succ, live = self.n, self._succ, self.live
         inside: set[int] = set()
         seen: set[int] = set()
@@ -333,25 +372,65 @@ class ByteNFA:
                         seen.add(t)
                         todo.append(t)
             if len(seen) > MAX_SET:
-                raise TooLarge(
-                    f"one state of its deterministic automaton holds more than {MAX_SET:,} positions of the "
-                    "nondeterministic one (nested or overlapping repeats): write fewer nested optional repeats, "
-                    "e.g. [a-z]{0,10000} for (?:[a-z]{0,100}){0,100}"
-                )
+                raise _too_large()
         states = np.fromiter(seen, dtype=np.int64, count=len(seen))
-        out = np.concatenate([states[self._important[states]], np.fromiter(inside, dtype=np.int64, count=len(inside))])
-        out = out.astype(self.dtype)
+        return self._identity(states, np.fromiter(inside, dtype=np.int64, count=len(inside)))
+
+    def _identity(self, states: np.ndarray, inside: np.ndarray) -> np.ndarray:
+        out = np.concatenate([states[self._important[states]], inside]).astype(self.dtype)
         out.sort()
         return out
 
-    def moves(self, positions: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    def _wide_closure(self, targets: np.ndarray) -> np.ndarray:
+        """:meth:`closure` of many targets: one numpy gather per level of epsilon moves over the
+        successor lists as arrays (a narrow level goes on in :meth:`closure`'s loop)."""
+        n = self.n
+        if self._succ_csr is None:
+            off = np.concatenate([[0], np.cumsum([len(x) for x in self._succ])]).astype(np.int64)
+            to = np.fromiter(itertools.chain.from_iterable(self._succ), dtype=np.int64, count=int(off[-1]))
+            self._succ_csr = (off, to)
+        off, to = self._succ_csr
+        inside = np.unique(targets[targets >= n])
+        front = targets[targets < n]
+        seen = np.zeros(n, dtype=bool)
+        seen[front[self._live[front]]] = True
+        front = np.flatnonzero(seen)  # sorted, distinct (cheaper than np.unique)
+        count = len(front)
+        fresh = np.zeros(n, dtype=bool)
+        while len(front) > WIDE_FRONT:
+            first, many = off[front], off[front + 1] - off[front]
+            k = np.arange(int(many.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(many) - many), many)
+            nxt = to[k]
+            fresh[nxt[~seen[nxt]]] = True
+            front = np.flatnonzero(fresh)
+            fresh[front] = False
+            seen[front] = True
+            count += len(front)
+            if count > MAX_SET:
+                raise _too_large()
+        states = np.flatnonzero(seen)
+        if len(front):  # a narrow level: on state by state (a chain of moves)
+            done, todo, succ = set(states.tolist()), front.tolist(), self._succ
+            while todo:
+                for t in succ[todo.pop()]:
+                    if t not in done:
+                        done.add(t)
+                        todo.append(t)
+                if len(done) > MAX_SET:
+                    raise _too_large()
+            states = np.fromiter(done, dtype=np.int64, count=len(done))
+        return self._identity(states, inside)
+
+    def moves(self, positions: np.ndarray) -> list[tuple[int, int, Sequence[int]]]:
         """The moves of a set of positions on every byte, as ``(x, y, targets)``: the bytes
-        ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`); bytes in no
-        interval lead nowhere."""
+        ``x..y-1`` lead to the positions ``targets`` (before :meth:`closure`; a list or an
+        array); bytes in no interval lead nowhere."""
         pos = np.asarray(positions, dtype=np.int64)
         if len(pos) <= SMALL_SET:  # a few positions: their cached edge lists (numpy calls cost more)
-            lo = hi = tg = np.zeros(0, dtype=np.int64)
             inner = [e for p in pos.tolist() for e in self.edges(p)]
+            if len(inner) <= 1:
+                return [(lo, hi + 1, (t,)) for lo, hi, t in inner]
+            return _sweep(inner)
         else:
             states = pos[pos < self.n]
             off, r_lo, r_hi, r_tg = self._state_edges()

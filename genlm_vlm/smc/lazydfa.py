@@ -4,8 +4,12 @@ A deterministic state is a set of NFA positions (:meth:`~.bytenfa.ByteNFA.closur
 *key*: the positions' sorted numbers as ``bytes`` (``b""`` is the dead state: no accepted text goes
 through it). Only the states a run reaches are made, as a run reaches them: binding costs the NFA
 and the start state's closure. Made states live in a bounded cache (:class:`LazyDFA`): a *slot*
-per state, its row of 256 next slots in a numpy table (``-1`` where the row is not made yet, so the
+per state, its row of 256 next slots in a numpy table (``-1`` where the move is not made yet, so the
 vocabulary walk can gather whole byte columns at once) and in a list copy (for one-token walks).
+A row's moves are found at once (the byte intervals and the positions each leads to), but the
+state an interval leads to is made only when a byte of it is first read: a state holding a
+Unicode class such as ``\\w`` moves to a different state on each of some fifty lead bytes, and a
+walk or a particle reads a few of them.
 Past :data:`CACHE_BYTES` the least recently used states are dropped, with every row that leads to
 them; a state is made again from its key when it is met again. A key always names the same set,
 so the answers never depend on what the cache holds.
@@ -16,9 +20,10 @@ same lazy machinery (:meth:`ByteDFA.to_nfa`).
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +57,10 @@ class LazyDFA:
         self._used = np.zeros(cap, dtype=np.int64)
         self._keys: list[bytes | None] = [b""] + [None] * (cap - 1)
         self._rows: list[list[int] | None] = [[0] * 256] + [None] * (cap - 1)
+        #: Per touched slot: its moves' intervals not made yet (starts, ends, the positions each
+        #: leads to before the closure).
+        self._pending: dict[int, tuple[list[int], list[int], list[Sequence[int]]]] = {}
+        self._row_bytes = np.zeros(cap, dtype=np.int64)  # the bytes each touched row was counted for
         self._slot: dict[bytes, int] = {b"": 0}
         self._free = list(range(cap - 1, 0, -1))
         self._tick = 1
@@ -66,7 +75,7 @@ class LazyDFA:
         self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ keys and slots
-    def _closure(self, targets: Iterable[int]) -> np.ndarray:
+    def _closure(self, targets: Sequence[int] | np.ndarray) -> np.ndarray:
         try:
             return self.nfa.closure(targets)
         except TooLarge as e:
@@ -108,6 +117,7 @@ class LazyDFA:
         self.accept[s] = bool(self.nfa.is_final[inner].any())
         self.table[s] = -1
         self._rows[s] = None
+        self._pending.pop(s, None)
         self._used[s] = self._tick
         self.bytes += len(key) + 200
         self.states_made += 1
@@ -127,6 +137,7 @@ class LazyDFA:
         self.table = table
         self.accept = np.concatenate([self.accept, np.zeros(new - old, dtype=bool)])
         self._used = np.concatenate([self._used, np.zeros(new - old, dtype=np.int64)])
+        self._row_bytes = np.concatenate([self._row_bytes, np.zeros(new - old, dtype=np.int64)])
         self._keys += [None] * (new - old)
         self._rows += [None] * (new - old)
         self._free = list(range(new - 1, old - 1, -1))
@@ -143,36 +154,75 @@ class LazyDFA:
 
     # ------------------------------------------------------------------ rows
     def make_rows(self, slots: Iterable[int]) -> None:
-        """Make the rows of ``slots`` (the states after each byte) where they are not made."""
+        """Make the whole rows of ``slots`` (the states after each byte) where they are not made."""
         with self.lock:
-            t0 = time.perf_counter()
-            nfa = self.nfa
             for s in slots:
                 s = int(s)
-                if self._rows[s] is not None:
-                    continue
-                row = np.zeros(256, dtype=np.int32)
-                made: dict[bytes, int] = {}
-                for x, y, targets in nfa.moves(self.positions(self.key_of(s))):
-                    tk = targets.tobytes()
-                    t = made.get(tk)
-                    if t is None:
-                        key = self._key(self._closure(targets.tolist()))
-                        t = made[tk] = self.slot(key) if key else 0
-                    row[x:y] = t
-                self.table[s] = row
-                self._rows[s] = row.tolist()
-                self.bytes += _ROW_BYTES
-                self.rows_made += 1
-            self.seconds += time.perf_counter() - t0
+                self._touch(s)
+                starts, _ends, _targets = self._pending[s]
+                for x in list(starts):
+                    self._move(s, x)
+
+    def _touch(self, s: int) -> list[int]:
+        """The list row of ``s``, its moves found if they were not (bytes in no move lead to the
+        dead state at once, the others are ``-1`` until :meth:`_move`)."""
+        row = self._rows[s]
+        if row is not None:
+            return row
+        t0 = time.perf_counter()
+        moves = self.nfa.moves(self.positions(self.key_of(s)))
+        row = [0] * 256
+        starts, ends, targets = [], [], []
+        for x, y, tg in moves:
+            row[x:y] = [-1] * (y - x)
+            starts.append(x)
+            ends.append(y)
+            targets.append(tg)
+        self.table[s] = row
+        self._rows[s] = row
+        self._pending[s] = (starts, ends, targets)
+        size = _ROW_BYTES + sum(64 + 8 * len(tg) for tg in targets)
+        self._row_bytes[s] = size
+        self.bytes += size
+        self.rows_made += 1
+        self.seconds += time.perf_counter() - t0
+        return row
+
+    def _move(self, s: int, byte: int) -> int:
+        """The slot after ``byte`` from the touched slot ``s`` (the interval of ``byte`` made:
+        its positions' closure, the state of that set)."""
+        row = self._rows[s]
+        assert row is not None
+        got = row[byte]
+        if got >= 0:
+            return got
+        t0 = time.perf_counter()
+        starts, ends, targets = self._pending[s]
+        i = bisect.bisect_right(starts, byte) - 1
+        x, y, tg = starts[i], ends[i], targets[i]
+        assert x <= byte < y
+        key = self._key(self._closure(tg))
+        t = self.slot(key) if key else 0
+        row = self._rows[s]  # the same list unless slot() evicted nothing (it never trims)
+        assert row is not None
+        row[x:y] = [t] * (y - x)
+        self.table[s, x:y] = t
+        del starts[i], ends[i], targets[i]
+        self.seconds += time.perf_counter() - t0
+        return t
 
     def gather(self, slots: np.ndarray, column: np.ndarray) -> np.ndarray:
-        """``table[slots, column]``, rows made where missing (under :attr:`lock`)."""
+        """``table[slots, column]``, moves made where missing (under :attr:`lock`)."""
         got = self.table[slots, column]
         missing = got < 0
         if missing.any():
-            self.make_rows(np.unique(slots[missing]).tolist())
-            got[missing] = self.table[slots[missing], column[missing] if column.ndim else column]
+            col = np.broadcast_to(column, slots.shape)
+            pairs = np.unique(slots[missing].astype(np.int64) * 256 + col[missing])
+            for pair in pairs.tolist():
+                s, byte = divmod(pair, 256)
+                self._touch(s)
+                self._move(s, byte)
+            got[missing] = self.table[slots[missing], col[missing]]
         self._used[slots] = self._tick
         return got
 
@@ -188,9 +238,9 @@ class LazyDFA:
             for byte in data:
                 row = rows[s]
                 if row is None:
-                    self.make_rows([s])
-                    row = rows[s]
-                s = row[byte]  # type: ignore[index]
+                    row = self._touch(s)
+                t = row[byte]
+                s = self._move(s, byte) if t < 0 else t
                 if not s:
                     return b""
             self._used[s] = self._tick
@@ -217,19 +267,22 @@ class LazyDFA:
                     break
                 key = self._keys[s]
                 assert key is not None
-                self.bytes -= len(key) + 200 + (_ROW_BYTES if self._rows[s] is not None else 0)
+                self.bytes -= len(key) + 200 + int(self._row_bytes[s])
+                self._row_bytes[s] = 0
                 victims.append(s)
                 del self._slot[key]
                 self._keys[s] = None
                 self._rows[s] = None
+                self._pending.pop(s, None)
             gone = np.array(victims, dtype=np.int64)
             self.table[gone] = -1
-            made = np.flatnonzero(self.table[:, 0] >= 0)
-            made = made[made > 0]
-            stale = made[np.isin(self.table[made], gone).any(axis=1)]
+            made = np.array([s for s, r in enumerate(self._rows) if r is not None and s], dtype=np.int64)
+            stale = made[np.isin(self.table[made], gone).any(axis=1)] if len(made) else made
             for s in stale.tolist():
                 self._rows[s] = None
-                self.bytes -= _ROW_BYTES
+                self._pending.pop(s, None)
+                self.bytes -= int(self._row_bytes[s])
+                self._row_bytes[s] = 0
             self.table[stale] = -1
             self._free.extend(victims)
             self.evicted += len(victims)
