@@ -277,7 +277,7 @@ class ParticleSet:
             if tok is None:
                 flags[i] = False
             else:
-                gen[i] = g = (*gen[i], tok)
+                gen[i] = g = gen[i] + (tok,)  # a tuple (every generated is): concatenation, no unpacking
                 if len(g) > longest:
                     longest = len(g)
         if parents is not None:
