@@ -82,19 +82,24 @@ def logprob_rows(logits: torch.Tensor, rows: list[int], views: bool = False) -> 
         return list(torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1))
 
 
-def logprob_matrix(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def logprob_matrix(logits: torch.Tensor, rows: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.stack(logprob_rows(logits, rows))`` made at once: one ``float32 [len(rows), V]``
     tensor (an ordinary tensor, made with inference mode off) whose row ``i`` is
     ``log_softmax(logits[rows[i]].float())``, the same bits as :func:`logprob_rows` gives (the
     kernel computes each row on its own; tested). Consecutive rows are read in place, others
-    gathered first; no per-row tensor and no stacking copy. ``rows`` must not be empty."""
+    gathered first; no per-row tensor and no stacking copy. ``rows`` must not be empty.
+    ``out``: None (a new tensor), or a contiguous ``float32 [len(rows), V]`` ordinary tensor on
+    ``logits``' device to write the rows into and return (a buffer reused from step to step:
+    the caller makes sure nobody still reads its previous rows)."""
     with torch.inference_mode(False):
         first = rows[0]
         if rows[-1] - first + 1 == len(rows) and rows == list(range(first, first + len(rows))):
             src = logits[first : first + len(rows)]
         else:
             src = logits.index_select(0, torch.as_tensor(rows, device=logits.device, dtype=torch.long))
-        return torch.log_softmax(src.to(torch.float32), dim=-1)
+        if out is None:
+            return torch.log_softmax(src.to(torch.float32), dim=-1)
+        return torch.log_softmax(src.to(torch.float32), dim=-1, out=out)
 
 
 class CaptureSink:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
@@ -124,10 +125,12 @@ class FakeRun:
 
 class FlatRun(FakeRun):
     """A run whose groups are one particle each (``flat``): particle ``i`` is group ``order[i]``;
-    its rows come to ``decide`` at once, in particle order."""
+    its rows come to ``decide`` at once, in particle order (into the forcer's reused buffer when
+    ``borrows`` is set)."""
 
-    def __init__(self, groups, order):
+    def __init__(self, groups, order, borrows=False):
         super().__init__(groups)
+        self.borrows_rows = borrows
         self.live = list(range(len(order)))
         self.group_of = [{i: groups[k] for i, k in enumerate(order)}]
         self.rows = None
@@ -195,15 +198,18 @@ def test_both_runners_force_the_same_tokens_through_one_core():
     assert forced["v1"] == forced["v2"] == {f"p{i}": int(x[r].argmax()) for i, r in enumerate((0, 2, 3))}
 
 
-def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_one_by_one():
+@pytest.mark.parametrize("borrows", [False, True])
+def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_one_by_one(borrows):
     """Every group one particle and every row in this call: the run's rows come as one tensor in
     particle order (rows of the batch in another order, an ordinary request between them), each
-    bitwise the row the capture makes alone; each request is forced to its particle's token."""
+    bitwise the row the capture makes alone; each request is forced to its particle's token. A
+    run that borrows its rows gets them in the forcer's buffer, one that does not a tensor of its
+    own."""
     from genlm_vlm.capture import logprob_rows
 
     groups = _groups()
     host = ParticleHost(SimpleNamespace(count_fault=lambda kind: None))
-    run = FlatRun(groups, order=[2, 0, 1])  # particle 0 is p2, 1 is p0, 2 is p1
+    run = FlatRun(groups, order=[2, 0, 1], borrows=borrows)  # particle 0 is p2, 1 is p0, 2 is p1
     for g in groups:
         host.by_rid[g.rid] = (run, g)
     x = _logits(5, v=300, seed=8) * 5
@@ -220,6 +226,8 @@ def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_o
         assert int(torch.isfinite(row).sum()) == 1 and int(row.argmax()) == int(x[where[rid]].argmax())
     assert torch.equal(out[[2, 3]], x[[2, 3]])  # rows of no forced request are untouched
     assert host.counts["forced_rows"] == 3 and all(g.row is None for g in groups)
+    buf = host._rows_buf
+    assert (buf is not None and rows.data_ptr() == buf.data_ptr()) if borrows else buf is None
 
 
 def test_logprob_matrix_has_the_bits_of_rows_made_one_by_one():

@@ -84,6 +84,9 @@ class ParticleHost:
         self.fallbacks: Counter[str] = Counter()
         self.counts = {"runs": 0, "forced_rows": 0, "early_rows": 0, "finished_by_vllm": 0}
         self.masks = MaskWorker()  # the runs' next masks, computed during the forward (.mask_overlap)
+        #: The flat steps' rows of runs whose controller borrows them (``borrows_rows``): one
+        #: float32 buffer reused from step to step and run to run (dropped when no run is left).
+        self._rows_buf: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- choosing the path
     def _engine_refusal(self) -> str | None:
@@ -175,6 +178,8 @@ class ParticleHost:
     def forget(self, run: RequestRun) -> None:
         """``run`` ended: forget it (its requests are aborted by the run)."""
         self.runs.discard(run)
+        if not self.runs:
+            self._rows_buf = None
         for rid in [rid for rid, (r, _) in self.by_rid.items() if r is run]:
             del self.by_rid[rid]
 
@@ -214,7 +219,9 @@ class ParticleHost:
                     # (no row per group, no stack)
                     of = run.group_of[0]
                     run.have = len(items)
-                    run.decide(logprob_matrix(logits, [where[of[i].rid] for i in run.live]))
+                    rows = [where[of[i].rid] for i in run.live]
+                    out = self._scratch(len(rows), logits) if run.borrows_rows else None
+                    run.decide(logprob_matrix(logits, rows, out))
                 else:
                     complete = False
                     rows_of = logprob_rows(logits, [r for r, _ in items], views=True)
@@ -240,6 +247,16 @@ class ParticleHost:
                 run.forced = {}
         if index:
             force_rows(logits, index, tokens)
+
+    def _scratch(self, m: int, logits: torch.Tensor) -> torch.Tensor:
+        """``m`` rows of the reused float32 buffer, as wide as ``logits``, on its device (grown,
+        or made again, when it is too small or elsewhere). Only for a controller whose step
+        keeps no reference to its rows once it returns: the next step writes over them."""
+        buf, width = self._rows_buf, logits.shape[-1]
+        if buf is None or buf.shape[0] < m or buf.shape[1] != width or buf.device != logits.device:
+            with torch.inference_mode(False):  # an ordinary tensor: written outside inference mode
+                buf = self._rows_buf = torch.empty((m, width), dtype=torch.float32, device=logits.device)
+        return buf[:m]
 
     # ---------------------------------------------------------------- after a step
     def after_step(self, outputs: list[Any]) -> None:

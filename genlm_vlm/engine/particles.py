@@ -97,6 +97,9 @@ class RequestRun(Burst):
         self.fork_len: dict[str, int] = {}  # fork request id -> its partial block + 1 (the most it may compute)
         # the engine's mask worker when the controller asked for its masks ahead (mask_overlap), else None
         self.masks = host.masks if host.masks.attach(self.controller) else None
+        # whether the controller's step keeps no reference to its rows once it returns (the
+        # built-in one's), so that a flat step's rows may be written into a buffer reused next step
+        self.borrows_rows = getattr(self.controller, "borrows_rows", False) is True
 
     # ---------------------------------------------------------------- set-up
     def start(self) -> None:

@@ -246,6 +246,11 @@ class SMCController(StepMasks, Controller):
     step's rows are (the engine's device in a burst, ``output_device`` through
     ``batch_next_token_logprobs``)."""
 
+    #: :meth:`step` reads its ``rows`` and keeps no reference to them (or to a view of them) once
+    #: it returns, so a runner may hand it rows in a buffer that it overwrites the next step (the
+    #: requests path does). A subclass whose step keeps its rows must set this to False.
+    borrows_rows = True
+
     def __init__(self, constraint: BoundConstraint, n_particles: int, max_tokens: int, *,
                  eos_ids: Sequence[int], byte_vocab: Sequence[bytes], ess_threshold: float = 0.5,
                  resampling: str = "systematic", temperature: float = 1.0, seed: int | None = None,

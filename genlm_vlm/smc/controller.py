@@ -25,7 +25,9 @@ The contract, per step:
 loop, and an exception they raise fails that run only. Nor may they call the model (a ``*_sync``
 method, ``smc``...): on the engine thread that would wait for itself, so it raises at once.
 Rows are on the engine's device (the CPU on the CPU build); the controller keeps no reference to
-them past ``step`` (a run holds O(N) rows at a time).
+them past ``step`` (a run holds O(N) rows at a time). A controller whose class sets
+``borrows_rows = True`` (the built-in :class:`~.algorithm.SMCController`) may be handed its rows
+in a buffer that the requests path reuses the next step; any other gets a tensor of its own.
 
 A product of prompts (``prompts``: ``k >= 2`` prompts, ``lm.smc(..., prompts=...)`` or
 ``run_controller(..., prompts=...)``): the runner keeps one context per factor per particle
@@ -277,7 +279,7 @@ class ParticleSet:
             if tok is None:
                 flags[i] = False
             else:
-                gen[i] = g = (*gen[i], tok)
+                gen[i] = g = gen[i] + (tok,)  # a tuple (every generated is): concatenation, no unpacking
                 if len(g) > longest:
                     longest = len(g)
         if parents is not None:
