@@ -351,7 +351,7 @@ class ByteNFA:
             targets = list(targets)
         if len(targets) > WIDE_SET:
             return self._wide_closure(np.asarray(targets, dtype=np.int64))
-        n, succ, live = self.n, self._succ, self.live
+        n, live = self.n, self.live
         inside: set[int] = set()
         seen: set[int] = set()
         for p in targets:
@@ -359,7 +359,19 @@ class ByteNFA:
                 inside.add(p)
             elif live[p]:
                 seen.add(p)
-        todo = list(seen)
+        self._spread(seen, list(seen))
+        states = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        return self._identity(states, np.fromiter(inside, dtype=np.int64, count=len(inside)))
+
+    def _identity(self, states: np.ndarray, inside: np.ndarray) -> np.ndarray:
+        out = np.concatenate([states[self._important[states]], inside]).astype(self.dtype)
+        out.sort()
+        return out
+
+    def _spread(self, seen: set[int], todo: list[int]) -> None:
+        """Adds to ``seen`` every state reached by epsilon moves from ``todo`` (states already in
+        ``seen``). Raises :class:`TooLarge` past :data:`MAX_SET` states."""
+        succ = self._succ
         while todo:
             if len(todo) > 16:  # a wide front: one level at once, in C (set and chain operations)
                 front = set(itertools.chain.from_iterable(map(succ.__getitem__, todo)))
@@ -373,13 +385,6 @@ class ByteNFA:
                         todo.append(t)
             if len(seen) > MAX_SET:
                 raise _too_large()
-        states = np.fromiter(seen, dtype=np.int64, count=len(seen))
-        return self._identity(states, np.fromiter(inside, dtype=np.int64, count=len(inside)))
-
-    def _identity(self, states: np.ndarray, inside: np.ndarray) -> np.ndarray:
-        out = np.concatenate([states[self._important[states]], inside]).astype(self.dtype)
-        out.sort()
-        return out
 
     def _wide_closure(self, targets: np.ndarray) -> np.ndarray:
         """:meth:`closure` of many targets: one numpy gather per level of epsilon moves over the
@@ -409,15 +414,9 @@ class ByteNFA:
             if count > MAX_SET:
                 raise _too_large()
         states = np.flatnonzero(seen)
-        if len(front):  # a narrow level: on state by state (a chain of moves)
-            done, todo, succ = set(states.tolist()), front.tolist(), self._succ
-            while todo:
-                for t in succ[todo.pop()]:
-                    if t not in done:
-                        done.add(t)
-                        todo.append(t)
-                if len(done) > MAX_SET:
-                    raise _too_large()
+        if len(front):  # a narrow level: on in sets (a chain of moves)
+            done = set(states.tolist())
+            self._spread(done, front.tolist())
             states = np.fromiter(done, dtype=np.int64, count=len(done))
         return self._identity(states, inside)
 
