@@ -70,13 +70,7 @@ def logprob_rows(logits: torch.Tensor, rows: list[int], views: bool = False) -> 
                 return [torch.log_softmax(logits[r].to(torch.float32), dim=-1) for r in rows]
             out: list[torch.Tensor] = []
             for start in range(0, len(rows), per_block):
-                block = rows[start : start + per_block]
-                first = block[0]
-                if block == list(range(first, first + len(block))):  # consecutive rows: in place
-                    src = logits[first : first + len(block)]
-                else:
-                    src = logits.index_select(0, torch.as_tensor(block, dtype=torch.long))
-                out.extend(torch.log_softmax(src.to(torch.float32), dim=-1).unbind(0))
+                out.extend(logprob_matrix(logits, rows[start : start + per_block]).unbind(0))
             return out
         index = torch.as_tensor(rows, device=logits.device, dtype=torch.long)
         return list(torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1))
@@ -97,8 +91,6 @@ def logprob_matrix(logits: torch.Tensor, rows: list[int], out: torch.Tensor | No
             src = logits[first : first + len(rows)]
         else:
             src = logits.index_select(0, torch.as_tensor(rows, device=logits.device, dtype=torch.long))
-        if out is None:
-            return torch.log_softmax(src.to(torch.float32), dim=-1)
         return torch.log_softmax(src.to(torch.float32), dim=-1, out=out)
 
 
