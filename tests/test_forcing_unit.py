@@ -163,7 +163,7 @@ def _groups():
 
 def test_both_runners_force_the_same_tokens_through_one_core():
     """The same three particles seen by V1 (rows 0..2) and V2 (slots, rows re-sorted): the
-    core forces each particle's row to -inf but for its token, whichever row it sits in."""
+    core makes each particle's token its row's one maximum, whichever row it sits in."""
     x = _logits(4, seed=5)
     forced = {}
     for runner in ("v1", "v2"):
@@ -189,8 +189,9 @@ def test_both_runners_force_the_same_tokens_through_one_core():
         got = {}
         for rid, r in where.items():
             row = out[r]
-            assert int(torch.isfinite(row).sum()) == 1
             got[rid] = int(row.argmax())
+            assert float(row[got[rid]]) == torch.finfo(row.dtype).max  # the one entry written
+            assert int((row != x[{"p0": 0, "p1": 2, "p2": 3}[rid]]).sum()) == 1  # and no other
         ordinary = 1
         assert torch.equal(out[ordinary], x[1])  # the ordinary request's row is untouched
         forced[runner] = got
@@ -223,7 +224,7 @@ def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_o
     for i, rid in enumerate(("p2", "p0", "p1")):
         assert torch.equal(rows[i], logprob_rows(x, [where[rid]])[0])
         row = out[where[rid]]
-        assert int(torch.isfinite(row).sum()) == 1 and int(row.argmax()) == int(x[where[rid]].argmax())
+        assert int(row.argmax()) == int(x[where[rid]].argmax()) and int((row != x[where[rid]]).sum()) == 1
     assert torch.equal(out[[2, 3]], x[[2, 3]])  # rows of no forced request are untouched
     assert host.counts["forced_rows"] == 3 and all(g.row is None for g in groups)
     buf = host._rows_buf
@@ -232,7 +233,7 @@ def test_a_flat_run_gets_its_rows_in_particle_order_with_the_bits_of_rows_made_o
 
 def test_logprob_matrix_has_the_bits_of_rows_made_one_by_one():
     """``capture.logprob_matrix`` (the rows of a flat step in one tensor, made with the forcer's
-    one thread) is bitwise the stack of the rows made one at a time with two threads, for
+    one or two threads) is bitwise the stack of the rows made one at a time with the other count, for
     consecutive and scattered rows, wide rows and half-precision logits."""
     from genlm_vlm.capture import logprob_matrix, logprob_rows
     from genlm_vlm.engine.forcing import FORCER_THREADS
@@ -243,12 +244,13 @@ def test_logprob_matrix_has_the_bits_of_rows_made_one_by_one():
         logits = (torch.randn(40, v, generator=g) * 7).to(dtype)
         logits[5, 17] = float("-inf")
         for rows in ([*range(3, 40)], [0, 2, 3, 9, 39], [7], [39, 5, 6, 0]):
-            with _Threads(FORCER_THREADS):
-                got = logprob_matrix(logits, rows)
-            with _Threads(2):
-                alone = torch.stack(logprob_rows(logits, rows))
-            assert got.dtype == torch.float32 and got.shape == (len(rows), v)
-            assert torch.equal(got, alone)
+            for threads in ({1, 2} | ({FORCER_THREADS} - {None})):
+                with _Threads(threads):
+                    got = logprob_matrix(logits, rows)
+                with _Threads(3 - threads if threads <= 2 else 1):
+                    alone = torch.stack(logprob_rows(logits, rows))
+                assert got.dtype == torch.float32 and got.shape == (len(rows), v)
+                assert torch.equal(got, alone)
 
 
 def test_partial_prefills_and_early_rows_are_not_forced():
@@ -287,17 +289,50 @@ def test_block_rows_have_the_bits_of_rows_made_one_by_one():
             capture.CPU_BLOCK_ENTRIES = saved
 
 
-def test_force_rows_leaves_one_finite_entry_in_each_forced_row_and_touches_no_other():
+def test_force_rows_makes_each_token_its_rows_only_maximum_and_touches_nothing_else():
+    """The forced entry becomes the dtype's largest finite value (argmax takes it; a softmax of
+    the row gives it probability 1, no NaN, even beside -inf entries); no other entry changes."""
     from genlm_vlm.engine.forcing import force_rows
 
-    base = torch.randn(6, 11)
-    for rows, tokens in (([1, 2, 3], [4, 0, 10]), ([5, 0, 2], [1, 1, 9]), ([4], [3])):
-        logits = base.clone()
-        force_rows(logits, rows, tokens)
-        for r in range(6):
-            if r in rows:
-                tok = tokens[rows.index(r)]
-                assert int(logits[r].argmax()) == tok and float(logits[r, tok]) == 0.0
-                assert bool(torch.isneginf(logits[r]).sum() == 10)
-            else:
-                assert torch.equal(logits[r], base[r])
+    for dtype in (torch.float32, torch.bfloat16):
+        base = (torch.randn(6, 11) * 50).to(dtype)
+        base[2, 9] = float("-inf")
+        for rows, tokens in (([1, 2, 3], [4, 0, 10]), ([5, 0, 2], [1, 1, 9]), ([4], [3])):
+            logits = base.clone()
+            force_rows(logits, rows, tokens)
+            for r in range(6):
+                if r in rows:
+                    tok = tokens[rows.index(r)]
+                    assert int(logits[r].argmax()) == tok and float(logits[r, tok]) == torch.finfo(dtype).max
+                    p = torch.softmax(logits[r].float(), -1)
+                    assert float(p[tok]) == 1.0 and not bool(p.isnan().any())
+                    rest = torch.arange(11) != tok
+                    assert torch.equal(logits[r][rest], base[r][rest])
+                else:
+                    assert torch.equal(logits[r], base[r])
+
+
+def test_a_forced_request_that_vllm_sampled_otherwise_fails_its_run_only():
+    """After the step, each forced request's sampled token is checked against the token forced
+    (a row holding +inf or the largest float could tie): a mismatch fails that run before the
+    token is computed; another run's requests, sampled as forced, go on."""
+    groups = _groups()
+    host, run = _host(groups)
+    other_groups = [Group(3)]
+    other_groups[0].rid = "q0"
+    other = FlatRun(other_groups, order=[0])
+    host.by_rid["q0"] = (other, other_groups[0])
+    faults = []
+    host.loop = SimpleNamespace(count_fault=faults.append)
+    host._expect = {"p0": 4, "p1": 7, "q0": 2}
+    out = lambda rid, tok: SimpleNamespace(request_id=rid, new_token_ids=[tok], finish_reason=None,  # noqa: E731
+                                           prefill_stats=None)
+    settled = []
+    run.settle = lambda: settled.append("run")
+    other.settle = lambda: settled.append("other")
+    host.runs = {run, other}
+    host.after_step([out("p0", 4), out("p1", 5), out("q0", 2)])
+    how, exc, _ = run.ending
+    assert how == "fail" and "sampled token 5 for particle request p1" in str(exc) and "drew 7" in str(exc)
+    assert other.ending is None and faults == ["burst_errors"] and sorted(settled) == ["other", "run"]
+    assert host._expect == {}

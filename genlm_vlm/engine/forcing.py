@@ -38,14 +38,14 @@ logger = logging.getLogger(__name__)
 
 
 #: torch intra-op threads for the forcer's work inside vLLM's sampler on the CPU (the rows'
-#: ``log_softmax``, the controllers' steps, the ``-inf`` rewrite), or None: the sampler's own
-#: count (vLLM's CPU worker sets every core for the forward). One by default, as for the SMC step
-#: (:data:`genlm_vlm.smc.step.CPU_STEP_THREADS`): these ops are a few hundred microseconds on
-#: one thread, and with two, each waits at an OpenMP barrier for a worker thread that the OS may
-#: have given to another process: on this project's shared 2-core machine (load 4-5) the
-#: ``-inf`` rewrite of 128 x 1,536 took 1.3-3.2 ms of engine-thread CPU a step instead of 0.08 ms.
-#: The rows and the draws do not depend on it (each row is computed by one thread either way).
-FORCER_THREADS: int | None = 1
+#: ``log_softmax`` and the controllers' torch ops), or None: the sampler's own count (vLLM's CPU
+#: worker sets every core for the forward, and its OpenMP workers are still spinning when the
+#: sampler runs, so a second thread starts at once). None by default: on a quiet 2-core machine,
+#: alternating in one process, it took the sampler from 0.28 to 0.22 forwards a step on the
+#: Qwen2-0.5B shape (64 x 151,936 rows) and 1.01 to 1.00 on the demo model (docs/BENCHMARKS.md,
+#: eleventh session). 1 helps only where other processes hold the cores (load 4-5 on 2 cores made
+#: an OpenMP barrier cost milliseconds). The rows and the draws do not depend on it.
+FORCER_THREADS: int | None = None
 
 
 def _forced_params() -> Any:
@@ -57,18 +57,25 @@ def _forced_params() -> Any:
 
 
 def force_rows(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
-    """Rewrite ``logits[rows[i]]`` to ``-inf`` but for a 0 at ``tokens[i]`` (``rows`` distinct).
-    Rows that form one range are filled as a slice (a quarter of the cost of an indexed write on
-    a 128 x 1,536 block, one thread); others by index."""
+    """Make ``tokens[i]`` the one greedy choice of row ``rows[i]`` (``rows`` distinct): that entry
+    becomes the dtype's largest finite value and nothing else is written (a row's fill cost 4.5 ms
+    a step at 64 x 151,936 on one CPU thread). vLLM's argmax then takes it, and any softmax of the
+    row (a batch that mixes random sampling, temperature, top-k/p) gives it probability 1 without
+    NaN. Only a row already holding that value, or ``+inf`` or NaN, could pick another token;
+    such a row has no finite log-probability, so no particle continues from it, and
+    :meth:`ParticleHost.after_step` checks every forced request's sampled token all the same."""
     device = logits.device
     at = torch.as_tensor(rows, device=device, dtype=torch.long)
-    lo, hi = min(rows), max(rows)
-    if hi - lo + 1 == len(rows):
-        logits[lo : hi + 1].fill_(float("-inf"))
-    else:
-        logits.index_fill_(0, at, float("-inf"))
-    logits.index_put_((at, torch.as_tensor(tokens, device=device, dtype=torch.long)),
-                      torch.zeros((), device=device, dtype=logits.dtype))
+    logits[at, torch.as_tensor(tokens, device=device, dtype=torch.long)] = torch.finfo(logits.dtype).max
+
+
+def forced_token_error(rid: str, sampled: int, forced: int) -> RuntimeError:
+    """The error of a run whose request ``rid`` was sampled ``sampled`` where it was forced to ``forced``."""
+    return RuntimeError(
+        f"vLLM sampled token {sampled} for particle request {rid} where this SMC step drew {forced}: the "
+        "model's row holds +inf, NaN or the largest float, so the forced token was not the row's only "
+        "maximum. The run stops before the token is computed (nothing wrong is cached); check the model's "
+        "logits (dtype overflow) or run with engine_path='bursts'")
 
 
 class ParticleHost:
@@ -87,6 +94,8 @@ class ParticleHost:
         #: The flat steps' rows of runs whose controller borrows them (``borrows_rows``): one
         #: float32 buffer reused from step to step and run to run (dropped when no run is left).
         self._rows_buf: torch.Tensor | None = None
+        #: request id -> the token this step forced it to (checked against vLLM's in after_step)
+        self._expect: dict[str, int] = {}
 
     # ---------------------------------------------------------------- choosing the path
     def _engine_refusal(self) -> str | None:
@@ -187,7 +196,7 @@ class ParticleHost:
     def force(self, logits: torch.Tensor, rows: list[int], rids: list[str]) -> torch.Tensor:
         """The forced requests' rows of one sampler call (``rows[i]`` is request ``rids[i]``'s):
         hand each run its groups' rows, let every run that now has all of them decide, and
-        rewrite the rows of the requests that continue to ``-inf`` but for their token. Rows of
+        make each continuing request's token its row's one greedy choice (:func:`force_rows`). Rows of
         partial prefills, of ended runs and of requests being aborted are left as they are."""
         chunks = self._chunks() if self._chunks is not None else ()
         by_rid = self.by_rid
@@ -234,11 +243,13 @@ class ParticleHost:
                             g.stale = True
                         run.counts["early_rows"] += len(items)
                         self.counts["early_rows"] += len(items)
+                expect = self._expect
                 for rid, tok in run.forced.items():
                     r = where.get(rid)
                     if r is not None:
                         index.append(r)
                         tokens.append(tok)
+                        expect[rid] = tok
             except Exception as e:  # noqa: BLE001 - a bug of ours while handling one run: that run only
                 logger.error("a controller run failed inside the sampler", exc_info=e)
                 self.loop.count_fault("burst_errors")
@@ -262,13 +273,18 @@ class ParticleHost:
     def after_step(self, outputs: list[Any]) -> None:
         """Read the step's outputs of forced requests (a fork's prefill, a request vLLM
         finished on its own), then let every run settle (aborts, new requests, endings)."""
-        by_rid = self.by_rid
+        by_rid, expect = self.by_rid, self._expect
+        self._expect = {}
         for out in outputs:
             rid = out.request_id
             entry = by_rid.get(rid)
             if entry is None:
                 continue
             run = entry[0]
+            forced = expect.get(rid)
+            if forced is not None and out.new_token_ids and out.new_token_ids[-1] != forced and not run.done:
+                self.loop.count_fault("burst_errors")
+                run.ending = ("fail", forced_token_error(rid, int(out.new_token_ids[-1]), forced), False)
             stats = getattr(out, "prefill_stats", None)
             if stats is not None and rid in run.fork_len:
                 prompt = int(getattr(stats, "num_prompt_tokens", 0) or 0)
