@@ -41,10 +41,11 @@ logger = logging.getLogger(__name__)
 #: ``log_softmax`` and the controllers' torch ops), or None: the sampler's own count (vLLM's CPU
 #: worker sets every core for the forward, and its OpenMP workers are still spinning when the
 #: sampler runs, so a second thread starts at once). None by default: on a quiet 2-core machine,
-#: alternating in one process, it took the sampler from 0.28 to 0.22 forwards a step on the
-#: Qwen2-0.5B shape (64 x 151,936 rows) and 1.01 to 1.00 on the demo model (docs/BENCHMARKS.md,
-#: eleventh session). 1 helps only where other processes hold the cores (load 4-5 on 2 cores made
-#: an OpenMP barrier cost milliseconds). The rows and the draws do not depend on it.
+#: alternating in one process (benchmarks/ab_forcer.py), it took vLLM's sampler from 0.28 to 0.22
+#: forwards' worth a run on the Qwen2-0.5B shape (64 x 151,936 rows) and 1.07 to 1.05 on the demo
+#: model at N = 128 (docs/BENCHMARKS.md, eleventh session). 1 helps only where other processes hold
+#: the cores (load 4-5 on 2 cores made an OpenMP barrier cost milliseconds). The rows and the
+#: draws do not depend on it.
 FORCER_THREADS: int | None = None
 
 
