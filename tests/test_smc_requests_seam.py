@@ -196,3 +196,40 @@ async def test_a_request_vllm_finishes_on_its_own_is_added_again(llama_lm):
     assert got == await drive(lm, prompt, Argmax(3, 6))
     assert all(len(g) == 6 for g in got)
     _idle(lm)
+
+
+async def test_a_sampled_token_other_than_the_forced_one_fails_that_run_only(llama_lm):
+    """vLLM's sampled token for each forced request is checked against the token forced (a row
+    holding +inf or the largest float could tie with it). Here the host's record of one run's
+    forced tokens is made wrong after its second step, on the real engine: that run fails with
+    the error naming both tokens, its requests are aborted, and a run beside it equals its
+    per-token reference."""
+    lm = llama_lm
+    prompt = _prompt(lm)
+    host = lm._driver._loop._particles
+    v = lm.vocab_size
+
+    class Marked(Argmax):
+        pass
+
+    real = host._force
+
+    def skewed(logits, touched):
+        real(logits, touched)
+        for rid in list(host._expect):
+            run = host.by_rid[rid][0]
+            if isinstance(run.controller, Marked) and run.controller.seen >= 2:
+                host._expect[rid] = (host._expect[rid] + 1) % v
+
+    host._force = skewed
+    try:
+        faults = _faults(lm)["burst_errors"]
+        good, bad = await _beside(lm, lm.run_controller(prompt, Argmax(3, 6), engine_path="requests"),
+                                  lm.run_controller(prompt, Marked(2, 6), engine_path="requests"))
+    finally:
+        del host._force
+    assert good == await drive(lm, prompt, Argmax(3, 6))
+    assert isinstance(bad, RuntimeError) and re.search(r"vLLM sampled token \d+ for particle request p\d+ "
+                                                       r"where this SMC step drew \d+", str(bad)), bad
+    assert _faults(lm)["burst_errors"] > faults
+    _idle(lm)
