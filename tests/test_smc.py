@@ -25,7 +25,7 @@ import pytest
 
 from genlm_vlm.smc import ConstraintError, Grammar, JSONSchema, Regex, TokenMask
 from genlm_vlm.smc.algorithm import ancestors
-from genlm_vlm.smc.controller import Decision, ParticleSet
+from genlm_vlm.smc.controller import ControllerError, Decision, ParticleSet
 from genlm_vlm.smc.step import pack
 
 PROMPT = "def main():\n    return"
@@ -55,6 +55,29 @@ def test_particle_set_applies_tokens_then_parents():
         ps.apply(Decision([1, 2]), [0])
     with pytest.raises(ValueError, match="parents must be 3 indices"):
         ps.apply(Decision([1, 2], parents=[0, 3, 1]), [0, 1])
+
+def test_particle_set_steps_in_place_and_copies_each_resampled_copy():
+    """A step extends each particle's own list (no copy of its history: a step costs O(N), not
+    O(N * length)); a resampled copy gets a list of its own, so copies that then take different
+    tokens do not share them; a refused decision after resampling changes nothing."""
+    ps = ParticleSet((5,), 3, max_len=8)
+    ps.apply(Decision([1, 2, 3]), [0, 1, 2])
+    lists = list(ps.seqs)
+    for t in range(4, 7):
+        ps.apply(Decision([t, t, t]), [0, 1, 2])
+    assert all(a is b for a, b in zip(ps.seqs, lists, strict=True))  # extended where they were
+    assert ps.generated == [(1, 4, 5, 6), (2, 4, 5, 6), (3, 4, 5, 6)]
+    assert ps.generated is ps.generated  # made once per step
+    ps.apply(Decision([None, 8, 9], parents=[2, 2, 1]), [0, 1, 2])
+    assert len({id(s) for s in ps.seqs}) == 3
+    assert ps.generated == [(3, 4, 5, 6, 9), (3, 4, 5, 6, 9), (2, 4, 5, 6, 8)] and ps.live() == [0, 1, 2]
+    ps.apply(Decision([10, 11, None]), [0, 1, 2])
+    assert ps.generated == [(3, 4, 5, 6, 9, 10), (3, 4, 5, 6, 9, 11), (2, 4, 5, 6, 8)]
+    assert ps.tokens(1) == (3, 4, 5, 6, 9, 11) and ps.n == 3
+    with pytest.raises(ControllerError, match=r"ran particle 2 to 8 tokens \(max_model_len=8\)"):
+        ps.apply(Decision([None, 13], parents=[0, 2, 1]), [0, 1])  # particle 2, a copy of 1, reaches 8
+    assert ps.generated == [(3, 4, 5, 6, 9, 10), (3, 4, 5, 6, 9, 11), (2, 4, 5, 6, 8)]
+    assert ps.live() == [0, 1]
 
 
 @pytest.mark.parametrize("method", ["multinomial", "stratified", "systematic"])

@@ -115,7 +115,7 @@ class RequestRun(Burst):
         by_ctx: dict[tuple[int, Tokens], Group] = {}
         for j, prompt in enumerate(ps.prompts):  # a product of prompts: groups of each factor's own
             for i in live:
-                ctx = prompt + ps.generated[i]
+                ctx = prompt + ps.tokens(i)
                 g = by_ctx.get((j, ctx))
                 if g is None:
                     g = by_ctx[(j, ctx)] = Group(len(ctx), j)
@@ -163,7 +163,7 @@ class RequestRun(Burst):
             with torch.inference_mode(False):  # as in a burst: the controller runs outside inference mode
                 decision = self.controller.step(rows, live)
             del rows
-            tokens, parents, stop = check_decision(decision, len(live), len(ps.generated), ps.vocab_size)
+            tokens, parents, stop = check_decision(decision, len(live), ps.n, ps.vocab_size)
             stop = ps.apply_checked(tokens, parents, stop, live)  # the context checks (ControllerError)
         except Exception as e:  # noqa: BLE001 - the controller's (or its mask function's) error: this run only
             self.seconds += time.perf_counter() - t0
@@ -177,13 +177,13 @@ class RequestRun(Burst):
         if not new_live:
             self.ending = ("finish", None, False)  # the run's requests are aborted as it finishes
             return
-        gen = ps.generated
+        gen = ps.seqs  # the set's own lists: read only
         if not (parents is None and len(new_live) == len(live) and self._continue_singletons(gen)):
             self._regroup(old, new_live, parents, gen)
         if self.masks is not None:  # the next step's masks, computed while vLLM runs its forward
             self.masks.prefetch(self.controller, self.live)
 
-    def _regroup(self, old: list[Group], new_live: list[int], parents: Any, gen: list[Tokens]) -> None:
+    def _regroup(self, old: list[Group], new_live: list[int], parents: Any, gen: list[list[int]]) -> None:
         """The next step's groups after a step that split contexts (resampling, the first step):
         each old group's first child keeps its request, the others fork it. A step where
         particles only finished, every group one particle, just drops their groups
@@ -193,7 +193,7 @@ class RequestRun(Burst):
         ps, group_of = self.particles, self.group_of
         # Regroup: a new particle i descends from old particle a (its parent, or itself) and took
         # a's token; particles with the same old group and token share a new group.
-        anc = parents if parents is not None else range(len(ps.generated))
+        anc = parents if parents is not None else range(ps.n)
         buckets: dict[tuple[int, int], Group] = {}
         children: dict[int, list[Group]] = {}
         for of in group_of:  # each factor's groups regroup on their own
@@ -224,7 +224,7 @@ class RequestRun(Burst):
                 ng.fork = (rid, g.length)
         self._begin_step([ng for g in old for ng in children.get(id(g), ())])
 
-    def _drop_finished(self, old: list[Group], new_live: list[int], gen: list[Tokens]) -> bool:
+    def _drop_finished(self, old: list[Group], new_live: list[int], gen: list[list[int]]) -> bool:
         """A step without resampling where particles finished, every group one particle with its
         request in the batch: the finished particles' groups are dropped (their requests aborted
         after the step), every other group keeps its request and takes its particle's token (what
@@ -247,7 +247,7 @@ class RequestRun(Burst):
         self._begin_step(kept)
         return True
 
-    def _continue_singletons(self, gen: list[Tokens]) -> bool:
+    def _continue_singletons(self, gen: list[list[int]]) -> bool:
         """The common step without resampling: every particle lived on and every group is one
         particle with its request in the batch, so each group keeps its request and takes its
         particle's token (what the regrouping gives, without new groups). False (nothing
@@ -301,7 +301,7 @@ class RequestRun(Burst):
         """A request for ``g``'s rows (a fork of ``g.fork`` when set)."""
         info = self.loop.info
         ps = self.particles
-        made = ps.generated[g.members[0]]  # every member's: they share the context
+        made = ps.tokens(g.members[0])  # every member's: they share the context
         ctx = ps.prompts[g.factor] + made
         room = info.max_model_len - len(ctx)
         if self.budget is not None:

@@ -206,9 +206,13 @@ class ParticleSet:
     burst) checks with this class alone, so both raise the same messages. ``prompts``: None, or
     the factors' prompts of a product (``prompt`` is then ignored; contexts are checked against
     the longest): :meth:`wanted` lists ``k * m`` contexts, :func:`fold_rows` sums their rows.
+
+    A step costs O(number of particles), whatever their length: each particle's tokens are a
+    list of the set's own, extended in place (a resampled copy gets a list of its own when it
+    is made); :attr:`generated` makes the tuples when it is read.
     """
 
-    __slots__ = ("_longest", "generated", "live_flags", "max_len", "prompt", "prompts", "vocab_size")
+    __slots__ = ("_gen", "_longest", "_tuples", "live_flags", "max_len", "prompt", "prompts", "vocab_size")
 
     def __init__(self, prompt: Tokens, n: int, start: Sequence[Sequence[int]] | None = None, *,
                  vocab_size: int | None = None, max_len: int | None = None,
@@ -223,7 +227,7 @@ class ParticleSet:
             raise ControllerError(f"the controller's n_particles must be an int >= 1, got {n!r} ({type(n).__name__})")
         n = int(n)
         if start is None:
-            self.generated: list[Tokens] = [()] * n
+            gen: list[Tokens] = [()] * n
         else:
             if isinstance(start, str | bytes) or not isinstance(start, Sequence):
                 raise ControllerError(f"start must be a list of {n} token-id lists (one per particle), "
@@ -232,18 +236,45 @@ class ParticleSet:
                 raise ControllerError(f"start has {len(start)} particles; the controller has {n}")
             width = vocab_size if vocab_size is not None else 1 << 62
             try:
-                self.generated = [as_token_ids(s, f"start[{i}]", width) for i, s in enumerate(start)]
+                gen = [as_token_ids(s, f"start[{i}]", width) for i, s in enumerate(start)]
             except (TypeError, ValueError) as e:
                 raise ControllerError(str(e)) from None
             if max_len is not None:
-                for i, g in enumerate(self.generated):
+                for i, g in enumerate(gen):
                     if len(self.prompt) + len(g) >= max_len:
                         raise ControllerError(
                             f"start[{i}] makes particle {i}'s context {len(self.prompt) + len(g)} tokens (the prompt's "
                             f"{len(self.prompt)} + {len(g)}); max_model_len={max_len} allows at most {max_len - 1}"
                         )
+        self._gen: list[list[int]] = [list(g) for g in gen]  # each particle's own list (see the class docstring)
+        self._tuples: list[Tokens] | None = gen  # :attr:`generated`, None once a step changed it
         self.live_flags = [True] * n
-        self._longest = max(map(len, self.generated))  # at least the longest generated (see apply)
+        self._longest = max(map(len, gen))  # at least the longest generated (see apply)
+
+    @property
+    def generated(self) -> list[Tokens]:
+        """Each particle's generated tokens, a tuple per particle (made when read after a step:
+        O(total tokens) once, then the same list until the next step)."""
+        t = self._tuples
+        if t is None:
+            t = self._tuples = [tuple(g) for g in self._gen]
+        return t
+
+    @property
+    def n(self) -> int:
+        """The number of particles (live or not)."""
+        return len(self._gen)
+
+    @property
+    def seqs(self) -> list[list[int]]:
+        """Each particle's generated tokens as the set's own lists (no copy): a runner reads them
+        (``seqs[i][-1]``, ``len(seqs[i])``) and never changes them; they change in place at the
+        next step."""
+        return self._gen
+
+    def tokens(self, i: int) -> Tokens:
+        """Particle ``i``'s generated tokens (a tuple, made for this call: O(its length))."""
+        return tuple(self._gen[i])
 
     def live(self) -> list[int]:
         """Indices of the live particles, in order."""
@@ -252,19 +283,19 @@ class ParticleSet:
     def prefix(self, i: int) -> Tokens:
         """The token ids whose next-token row particle ``i`` needs (its first factor's, in a
         product of prompts)."""
-        return self.prompts[0] + self.generated[i]
+        return self.prompts[0] + tuple(self._gen[i])
 
     def wanted(self, particles: Sequence[int]) -> list[Tokens]:
         """The contexts whose rows ``particles`` need, factor-major: ``k * len(particles)`` of
         them (``k`` prompts), to be folded by :func:`fold_rows`."""
-        gen = self.generated
-        return [p + gen[i] for p in self.prompts for i in particles]
+        gen = self._gen
+        return [p + tuple(gen[i]) for p in self.prompts for i in particles]
 
     def apply(self, decision: Any, particles: Sequence[int]) -> bool:
         """Apply ``decision`` (made for ``particles``, the live ones) and return its ``stop``.
         Checks it first (:func:`check_decision`, and the contexts against ``max_len`` unless the
         run stops); raises :class:`ControllerError`, with nothing applied, if it is malformed."""
-        tokens, parents, stop = check_decision(decision, len(particles), len(self.generated), self.vocab_size)
+        tokens, parents, stop = check_decision(decision, len(particles), len(self._gen), self.vocab_size)
         return self.apply_checked(tokens, parents, stop, particles)
 
     def apply_checked(self, tokens: list[int | None], parents: list[int] | None, stop: bool,
@@ -272,30 +303,50 @@ class ParticleSet:
         """:meth:`apply` for a decision that :func:`check_decision` already checked and
         normalised for these ``particles`` and this set (its ``(tokens, parents, stop)``), so
         that a runner that needs the normalised decision itself checks it once. The contexts are
-        still checked against ``max_len`` here (:class:`ControllerError`, nothing applied)."""
-        gen, flags = list(self.generated), list(self.live_flags)
+        still checked against ``max_len`` here (:class:`ControllerError`, nothing applied).
+        O(number of particles), plus a copy of each resampled copy's tokens."""
+        gen, flags = self._gen, list(self.live_flags)
         longest = self._longest
         for i, tok in zip(particles, tokens, strict=True):
             if tok is None:
                 flags[i] = False
-            else:
-                gen[i] = g = gen[i] + (tok,)  # a tuple (every generated is): concatenation, no unpacking
-                if len(g) > longest:
-                    longest = len(g)
-        if parents is not None:
-            gen = [gen[p] for p in parents]
-            flags = [flags[p] for p in parents]
+            elif len(gen[i]) >= longest:
+                longest = len(gen[i]) + 1
         room = None if self.max_len is None else self.max_len - len(self.prompt)
         if not stop and room is not None and longest >= room:  # a particle may have reached it: look
-            for i, g in enumerate(gen):
-                if flags[i] and len(g) >= room:
-                    raise ControllerError(
-                        f"the controller ran particle {i} to {len(self.prompt) + len(g)} tokens "
-                        f"(max_model_len={self.max_len}): stop it earlier (a None token ends a particle, "
-                        "Decision.stop the run) while its context is below max_model_len"
-                    )
-        self.generated, self.live_flags, self._longest = gen, flags, longest
+            self._check_room(tokens, parents, particles, flags, room)
+        for i, tok in zip(particles, tokens, strict=True):  # checked: now applied
+            if tok is not None:
+                gen[i].append(tok)
+        if parents is not None:
+            new: list[list[int]] = []
+            taken: set[int] = set()
+            for p in parents:
+                g = gen[p]
+                if p in taken:
+                    g = g.copy()  # a copy: a list of its own
+                else:
+                    taken.add(p)
+                new.append(g)
+            self._gen = new
+            flags = [flags[p] for p in parents]
+        self.live_flags, self._longest, self._tuples = flags, longest, None
         return stop
+
+    def _check_room(self, tokens: list[int | None], parents: list[int] | None, particles: Sequence[int],
+                    flags: list[bool], room: int) -> None:
+        """Raise :class:`ControllerError` if the decision would leave a live particle with a
+        context of ``room`` generated tokens or more (nothing is applied yet)."""
+        took = {i for i, tok in zip(particles, tokens, strict=True) if tok is not None}
+        order = parents if parents is not None else range(len(self._gen))
+        for i, a in enumerate(order):
+            n = len(self._gen[a]) + (a in took)
+            if flags[a] and n >= room:
+                raise ControllerError(
+                    f"the controller ran particle {i} to {len(self.prompt) + n} tokens "
+                    f"(max_model_len={self.max_len}): stop it earlier (a None token ends a particle, "
+                    "Decision.stop the run) while its context is below max_model_len"
+                )
 
 
 def fold_rows(rows: Any, k: int) -> Any:
