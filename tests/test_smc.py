@@ -109,6 +109,37 @@ def test_mock_runs_the_reference():
     lm.cleanup()
 
 
+def test_resampled_copies_keep_token_lists_of_their_own():
+    """The controller resamples at every step (ESS threshold 1): a parent's first copy keeps its
+    token list, every other copy gets its own, so each particle's tokens are exactly what the
+    runner fed it (the ParticleSet's record, but the last: a particle cut at max_tokens takes it
+    without feeding it)."""
+    from genlm_vlm import MockAsyncLM
+    from genlm_vlm.smc import drive
+    from genlm_vlm.smc.api import prepare
+
+    lm = MockAsyncLM(seed=2)
+    mask = np.zeros((1, lm.vocab_size), dtype=bool)
+    mask[0, 10:40] = True  # no EOS: every particle runs to max_tokens
+    fn = TokenMask(lambda gens: np.repeat(mask, len(gens), axis=0), name="thirty tokens")
+    prompt, c = prepare(lm, [1, 2, 3], fn, 16, 12, seed=5, ess_threshold=1.0)
+    seen = {}
+    result = c.result
+
+    def record(generated):
+        seen["fed"] = [tuple(g) for g in generated]
+        return result(generated)
+
+    c.result = record
+    r = asyncio.run(drive(lm, prompt, c))
+    assert len(r.resampled_at) >= 5
+    for p, fed in zip(r.particles, seen["fed"], strict=True):
+        toks = tuple(p.token_ids)
+        assert len(toks) <= 12
+        assert p.status == "cut" and len(toks) == 12 and toks[:-1] == fed, (toks, fed, p.status)
+    lm.cleanup()
+
+
 # ------------------------------------------------------------------------------ engine == reference
 CONSTRAINTS = {
     "regex": lambda: Regex(r"[a-z ]+"),

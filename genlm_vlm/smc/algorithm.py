@@ -413,13 +413,17 @@ class SMCController(StepMasks, Controller):
         self.log_z += total - math.log(self.n_particles)
         parents = ancestors(w, self.resampling, self.rng)
         c = self.constraint
-        taken: set[int] = set()  # a parent's first copy takes its state itself, the others fork it
-        states = []
+        taken: set[int] = set()  # a parent's first copy takes its state and tokens, the others copy them
+        states, tokens = [], []
         for p in parents:
-            states.append(self.states[p] if p not in taken else c.copy(self.states[p]))
-            taken.add(p)
-        self.states = states
-        self.tokens = [list(self.tokens[p]) for p in parents]
+            if p in taken:
+                states.append(c.copy(self.states[p]))
+                tokens.append(self.tokens[p].copy())
+            else:
+                states.append(self.states[p])
+                tokens.append(self.tokens[p])
+                taken.add(p)
+        self.states, self.tokens = states, tokens
         self.history = [self.history[p] for p in parents]
         self.status = [self.status[p] for p in parents]
         self.log_w = np.zeros(self.n_particles)
