@@ -1,12 +1,16 @@
-"""The requests path's forcer, A/B in one process: how a forced token is written and how many
-torch threads the forcer uses, alternating repetition by repetition on one engine.
+"""The requests path's forcer and the controller's draw, A/B in one process: how a forced token is
+written, how many torch threads the forcer uses, and how the built-in controller calls the fused
+CPU draw, alternating repetition by repetition on one engine.
 
 Variants (each an ``lm.smc`` run of the ``bench`` command's ``smc`` cell on the requests path):
 
 - ``fill-1``: rows filled with ``-inf`` but for a 0 at the token (the forcer before the eleventh
   session), one forcer thread;
 - ``max-1``: the token's entry set to the dtype's largest finite value (``force_rows``), one thread;
-- ``max-auto``: the same with the sampler's own thread count (``FORCER_THREADS = None``, the default);
+- ``max-auto-propose``: the same with the sampler's own thread count (``FORCER_THREADS = None``)
+  and the controller's draw through ``step.propose`` and ``step.to_host`` (before the twelfth
+  session: checks and tensors around the fused kernel);
+- ``max-auto``: the same with the draw's numpy arrays handed to the kernel directly (the default);
 - ``bursts`` (``--bursts``): the same run as bursts.
 
 The machine's speed moves between runs of a few seconds, so besides walls the script reports each
@@ -45,6 +49,7 @@ def main() -> None:
     from genlm_vlm.bench.cli import engine_options
     from genlm_vlm.bench.systems import genlm_system
     from genlm_vlm.engine import forcing
+    from genlm_vlm.smc import algorithm
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a model path (default: the demo model)")
@@ -65,10 +70,12 @@ def main() -> None:
         model = str(tiny_model_path(SHAPES[args.model_shape]))
     system = genlm_system({"model": model, "engine_opts": engine_options(model, {})})
     new = forcing.force_rows
-    variants = {"fill-1": ("requests", fill_rows, 1), "max-1": ("requests", new, 1),
-                "max-auto": ("requests", new, None)}
+    direct = algorithm._fused_inputs
+    variants = {"fill-1": ("requests", fill_rows, 1, direct), "max-1": ("requests", new, 1, direct),
+                "max-auto-propose": ("requests", new, None, lambda *a: None),
+                "max-auto": ("requests", new, None, direct)}
     if args.bursts:
-        variants["bursts"] = ("bursts", new, None)
+        variants["bursts"] = ("bursts", new, None, direct)
 
     def run(rep: int, path: str) -> dict:
         return system.run("smc", n=args.n, t=args.t, constraint=args.constraint, rep=rep, engine_path=path)
@@ -82,7 +89,7 @@ def main() -> None:
         order = list(variants) if rep % 2 else list(reversed(variants))
         prints = set()
         for name in order:
-            path, forcing.force_rows, forcing.FORCER_THREADS = variants[name]
+            path, forcing.force_rows, forcing.FORCER_THREADS, algorithm._fused_inputs = variants[name]
             for t in timers.values():
                 t[:] = [0, 0.0, 0.0]
             r = run(rep, path)
@@ -91,7 +98,7 @@ def main() -> None:
             prints.add(r["fingerprint"])
         print(f"rep {rep}: " + ", ".join(f"{k} {v[-1][0]:.3f} s" for k, v in walls.items())
               + ("" if len(prints) == 1 else "  PARTICLES DIFFER"), flush=True)
-    forcing.force_rows, forcing.FORCER_THREADS = new, None
+    forcing.force_rows, forcing.FORCER_THREADS, algorithm._fused_inputs = new, None, direct
     system.close()
     print("| variant | median wall (s) | median wall / forward | median sampler / forward | speed / fill-1 (median per repetition) |")
     print("|---|---|---|---|---|")

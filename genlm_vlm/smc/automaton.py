@@ -166,6 +166,8 @@ class TokenMasks:
             idx = [where[k] for k in states]
             table = self._rows if device is None else self._table_on(torch.device(device))
             rows = table if words >= table.shape[1] else table[:, :words]
+            if rows.device.type == "cpu":  # numpy's gather: a new array, no index tensor
+                return torch.from_numpy(rows.numpy()[idx]), self._counts[idx]
             at = torch.tensor(idx, dtype=torch.int64)
             return rows.index_select(0, at.to(rows.device, non_blocking=True)), self._counts[idx]
 

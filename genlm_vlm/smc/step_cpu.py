@@ -366,14 +366,33 @@ def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     ``rows``: float32 ``[m, V]`` on the CPU (any strides); ``bits``: int32 ``[m, ceil(width/32)]``
     cleared past ``width``; ``u``: float64 ``[m]``. Returns ``(tokens int64 [m], increments
     float64 [m])`` (token -1, increment -inf where the mask keeps no probability)."""
+    tok, incr = fused_arrays(rows.numpy(), bits.contiguous().numpy().view(np.uint32), u.contiguous().numpy(), t, width)
+    return torch.from_numpy(tok), torch.from_numpy(incr)
+
+
+def fused_arrays(x: np.ndarray, bits: np.ndarray, u: np.ndarray, t: float,
+                 width: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fused` on numpy arrays, with nothing checked or converted (the built-in
+    controller's step, which makes its own uniforms and bitmasks, calls it directly): ``x``
+    float32 ``[m, V]`` (any strides), ``bits`` uint32 ``[m, ceil(width/32)]`` C-contiguous and
+    cleared past ``width``, ``u`` float64 ``[m]`` in ``[0, 1)``. Returns new arrays ``(tokens
+    int64 [m], increments float64 [m])``; the same bits as :func:`fused`."""
     kernel = _fused()
     if kernel is None:
         raise RuntimeError(fused_error() or "the fused CPU step is not available")
-    m = rows.shape[0]
+    m = x.shape[0]
     n = 32 * bits.shape[1]
     tok = np.empty(m, dtype=np.int64)
     incr = np.empty(m, dtype=np.float64)
-    kernel(rows.numpy(), bits.contiguous().numpy().view(np.uint32), int(width), u.contiguous().numpy(), float(t), tok, incr,
-           _buffer("vals", n, torch.float32).numpy(), _buffer("cum", n, torch.float64).numpy(),
-           _buffer("pow2", n, torch.int64).numpy())
-    return torch.from_numpy(tok), torch.from_numpy(incr)
+    vals, cum, pow2 = _scratch(n)
+    kernel(x, bits, int(width), u, float(t), tok, incr, vals, cum, pow2)
+    return tok, incr
+
+
+def _scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's three per-thread scratch arrays, of at least ``n`` entries each."""
+    got = getattr(_workspace, "fused", None)
+    if got is None or got[0].size < n:
+        got = _workspace.fused = (np.empty(n, dtype=np.float32), np.empty(n, dtype=np.float64),
+                                  np.empty(n, dtype=np.int64))
+    return got
