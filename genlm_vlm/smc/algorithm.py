@@ -181,30 +181,6 @@ class SMCResult:
         return sum(p.status == "dead" for p in self.particles)
 
 
-def _fused_inputs(rows: Any, bits: Any, width: int, t: float, counts: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """The fused CPU step's arrays for this step (rows as float32 numpy, bitmasks as C-contiguous
-    uint32 cut to ``ceil(width / 32)`` words and cleared past ``width``), or None where
-    :func:`~.step.propose` would take another path (or the inputs are not what the controller's
-    own masks give: it then checks them). The same inputs the fused path of ``propose`` gets."""
-    import torch
-
-    from . import step, step_cpu
-
-    if (rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.dim() != 2 or not t > 0.0
-            or not isinstance(bits, torch.Tensor) or bits.device.type != "cpu" or bits.dtype != torch.int32
-            or bits.dim() != 2 or bits.shape[0] != rows.shape[0] or not step_cpu.fused_available()
-            or not step_cpu.use_fused(width, counts)):
-        return None
-    w = step.words(width)
-    if bits.shape[1] < w:
-        return None
-    b = bits.numpy().view(np.uint32)[:, :w]
-    if width % 32:
-        b = b.copy()
-        b[:, -1] &= np.uint32((1 << (width % 32)) - 1)
-    return rows.numpy(), np.ascontiguousarray(b)
-
-
 def _logsumexp(x: np.ndarray) -> float:
     top = float(np.max(x)) if x.size else -math.inf
     if not math.isfinite(top):
@@ -332,7 +308,7 @@ class SMCController(StepMasks, Controller):
         import torch
 
         from .step import propose, to_host
-        from .step_cpu import fused_arrays
+        from .step_cpu import fused_arrays, fused_inputs
 
         t0, c0 = time.perf_counter(), time.thread_time()
         self.steps += 1
@@ -351,7 +327,7 @@ class SMCController(StepMasks, Controller):
         self.mask_seconds += t1 - t0
         u = self.rng.random(m)  # one per live particle, in particle order, whatever the path
         width = min(self.width, rows.shape[1])
-        direct = _fused_inputs(rows, bits, width, self.temperature, counts)
+        direct = fused_inputs(rows, bits, width, self.temperature, counts)
         if direct is not None:  # the fused CPU step, called without propose's checks and tensors
             tok, incr = fused_arrays(direct[0], direct[1], u, self.temperature, width)
             tokens = tok.tolist()
