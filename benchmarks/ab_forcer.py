@@ -49,7 +49,7 @@ def main() -> None:
     from genlm_vlm.bench.cli import engine_options
     from genlm_vlm.bench.systems import genlm_system
     from genlm_vlm.engine import forcing
-    from genlm_vlm.smc import step_cpu
+    from genlm_vlm.smc import step
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a model path (default: the demo model)")
@@ -70,7 +70,7 @@ def main() -> None:
         model = str(tiny_model_path(SHAPES[args.model_shape]))
     system = genlm_system({"model": model, "engine_opts": engine_options(model, {})})
     new = forcing.force_rows
-    direct = step_cpu.fused_inputs
+    direct = step.fused_inputs
     variants = {"fill-1": ("requests", fill_rows, 1, direct), "max-1": ("requests", new, 1, direct),
                 "max-auto-propose": ("requests", new, None, lambda *a: None),
                 "max-auto": ("requests", new, None, direct)}
@@ -89,7 +89,7 @@ def main() -> None:
         order = list(variants) if rep % 2 else list(reversed(variants))
         prints = set()
         for name in order:
-            path, forcing.force_rows, forcing.FORCER_THREADS, step_cpu.fused_inputs = variants[name]
+            path, forcing.force_rows, forcing.FORCER_THREADS, step.fused_inputs = variants[name]
             for t in timers.values():
                 t[:] = [0, 0.0, 0.0]
             r = run(rep, path)
@@ -98,7 +98,7 @@ def main() -> None:
             prints.add(r["fingerprint"])
         print(f"rep {rep}: " + ", ".join(f"{k} {v[-1][0]:.3f} s" for k, v in walls.items())
               + ("" if len(prints) == 1 else "  PARTICLES DIFFER"), flush=True)
-    forcing.force_rows, forcing.FORCER_THREADS, step_cpu.fused_inputs = new, None, direct
+    forcing.force_rows, forcing.FORCER_THREADS, step.fused_inputs = new, None, direct
     system.close()
     print("| variant | median wall (s) | median wall / forward | median sampler / forward | speed / fill-1 (median per repetition) |")
     print("|---|---|---|---|---|")

@@ -614,10 +614,11 @@ def test_scratch_buffers_made_in_inference_mode_serve_a_later_step_outside_it():
 @pytest.mark.parametrize("t", [1.0, 0.7])
 def test_the_controllers_direct_fused_call_is_proposes_fused_path_bit_for_bit(t):
     """The built-in controller hands the fused kernel its numpy arrays directly
-    (``step_cpu.fused_inputs`` and ``fused_arrays``, no checks or tensors around it):
+    (``step.fused_inputs`` and ``step_cpu.fused_arrays``, no checks or tensors around it):
     the same tokens and increments, bit for bit, as ``propose(path="fused")``, at a width that
     ends inside a word (its last word's bits past the width cleared), with rows that are a column
-    slice; and not taken where ``propose`` would take another path."""
+    slice; not taken where ``propose`` would take another path; a malformed bitmask refused with
+    ``propose``'s own error."""
     if not C.fused_available():
         pytest.skip(C.fused_error() or "no numba")
     rng = np.random.default_rng(4)
@@ -626,12 +627,16 @@ def test_the_controllers_direct_fused_call_is_proposes_fused_path_bit_for_bit(t)
     mask = rng.random((7, 320)) < 0.6  # allowed bits past the width too: both must clear them
     bits = S.pack(mask)
     u = rng.random(7)
-    x, b = C.fused_inputs(rows, bits, width, t, None)
+    x, b = S.fused_inputs(rows, bits, width, t, None)
     assert b.shape == (7, 10) and not (b[:, -1] >> 2).any()  # 290 = 9 words + 2 bits
     tok, inc = C.fused_arrays(x, b, u, t, width)
     want_tok, want_inc = S.to_host(*S.propose(rows, bits, u, t, width=width, path="fused"))
     assert tok.tolist() == want_tok and np.array_equal(inc, want_inc)
     assert all(0 <= k < width for k in tok.tolist())
-    assert C.fused_inputs(rows, bits, width, 0.0, None) is None  # greedy: not the fused path
-    assert C.fused_inputs(rows.double(), bits, width, t, None) is None
-    assert C.fused_inputs(rows, bits[:, :5], width, t, None) is None  # too few words: propose refuses it
+    assert S.fused_inputs(rows, bits, width, 0.0, None) is None  # greedy: not the fused path
+    assert S.fused_inputs(rows.double(), bits, width, t, None) is None
+    for bad in (bits[:, :5], bits.long()):  # too few words, another dtype: propose's own error
+        with pytest.raises(ValueError, match=r"bits must be int32 \[7, >= 10\]"):
+            S.fused_inputs(rows, bad, width, t, None)
+        with pytest.raises(ValueError, match=r"bits must be int32 \[7, >= 10\]"):
+            S.propose(rows, bad, u, t, width=width, path="fused")

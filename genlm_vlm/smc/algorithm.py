@@ -307,8 +307,8 @@ class SMCController(StepMasks, Controller):
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:
         import torch
 
-        from .step import propose, to_host
-        from .step_cpu import fused_arrays, fused_inputs
+        from .step import fused_inputs, propose, to_host
+        from .step_cpu import fused_arrays
 
         t0, c0 = time.perf_counter(), time.thread_time()
         self.steps += 1

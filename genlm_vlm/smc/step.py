@@ -310,6 +310,22 @@ def propose(rows: torch.Tensor, bits: Any, uniforms: Any, temperature: float = 1
         return _gather(rows, b, u, t, width, counts)
 
 
+def fused_inputs(rows: torch.Tensor, bits: Any, width: int, t: float,
+                 counts: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """What :func:`propose`'s fused path hands :func:`step_cpu.fused_arrays` for these inputs
+    (the rows as float32 numpy, the bitmask checked, cut and cleared by the same
+    ``_prepare_bits``, as uint32 numpy), or None where ``propose`` would take another path. For a
+    caller that makes its own uniforms in ``[0, 1)`` (the built-in controller's step) and so needs
+    none of ``propose``'s other checks and tensors; a malformed bitmask raises ``propose``'s
+    ``ValueError``."""
+    if rows.dim() != 2 or not (_fusable(rows.device, t, rows.dtype) and step_cpu.use_fused(width, counts)):
+        return None
+    b = _prepare_bits(bits, rows.shape[0], width)
+    if b.device.type != "cpu":
+        return None
+    return rows.numpy(), b.numpy().view(np.uint32)
+
+
 def _fusable(device: torch.device, t: float, dtype: torch.dtype) -> bool:
     """Whether the fused CPU step can take rows of ``dtype`` on ``device`` at temperature ``t``."""
     return device.type == "cpu" and t > 0.0 and dtype == torch.float32 and step_cpu.fused_available()

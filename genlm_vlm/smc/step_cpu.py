@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
 
 import numpy as np
 import torch
@@ -371,28 +370,6 @@ def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
     return torch.from_numpy(tok), torch.from_numpy(incr)
 
 
-def fused_inputs(rows: torch.Tensor, bits: Any, width: int, t: float,
-                 counts: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """The arrays :func:`fused_arrays` takes for one step (the rows as float32 numpy; the
-    bitmask as C-contiguous uint32 cut to ``ceil(width / 32)`` words and cleared past
-    ``width``), or None where :func:`~.step.propose` would take another path, or the inputs are
-    not the CPU tensors the built-in controller's own masks give (``propose`` then checks them).
-    The same inputs as ``propose``'s fused path; the controller's step calls it."""
-    if (rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.dim() != 2 or not t > 0.0
-            or not isinstance(bits, torch.Tensor) or bits.device.type != "cpu" or bits.dtype != torch.int32
-            or bits.dim() != 2 or bits.shape[0] != rows.shape[0] or not fused_available()
-            or not use_fused(width, counts)):
-        return None
-    w = (int(width) + 31) // 32
-    if bits.shape[1] < w:
-        return None
-    b = bits.numpy().view(np.uint32)[:, :w]
-    if width % 32:
-        b = b.copy()
-        b[:, -1] &= np.uint32((1 << (width % 32)) - 1)
-    return rows.numpy(), np.ascontiguousarray(b)
-
-
 def fused_arrays(x: np.ndarray, bits: np.ndarray, u: np.ndarray, t: float,
                  width: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`fused` on numpy arrays, with nothing checked or converted (the built-in
@@ -407,15 +384,6 @@ def fused_arrays(x: np.ndarray, bits: np.ndarray, u: np.ndarray, t: float,
     n = 32 * bits.shape[1]
     tok = np.empty(m, dtype=np.int64)
     incr = np.empty(m, dtype=np.float64)
-    vals, cum, pow2 = _scratch(n)
-    kernel(x, bits, int(width), u, float(t), tok, incr, vals, cum, pow2)
+    kernel(x, bits, int(width), u, float(t), tok, incr, _buffer("vals", n, torch.float32).numpy(),
+           _buffer("cum", n, torch.float64).numpy(), _buffer("pow2", n, torch.int64).numpy())
     return tok, incr
-
-
-def _scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kernel's three per-thread scratch arrays, of at least ``n`` entries each."""
-    got = getattr(_workspace, "fused", None)
-    if got is None or got[0].size < n:
-        got = _workspace.fused = (np.empty(n, dtype=np.float32), np.empty(n, dtype=np.float64),
-                                  np.empty(n, dtype=np.int64))
-    return got
