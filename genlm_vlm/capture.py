@@ -35,6 +35,7 @@ import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .rowring import RING_ENV
@@ -90,7 +91,9 @@ def logprob_matrix(logits: torch.Tensor, rows: list[int], out: torch.Tensor | No
         if rows[-1] - first + 1 == len(rows) and rows == list(range(first, first + len(rows))):
             src = logits[first : first + len(rows)]
         else:
-            src = logits.index_select(0, torch.as_tensor(rows, device=logits.device, dtype=torch.long))
+            at = (torch.from_numpy(np.asarray(rows, dtype=np.int64)) if logits.device.type == "cpu"
+                  else torch.as_tensor(rows, device=logits.device, dtype=torch.long))
+            src = logits.index_select(0, at)
         return torch.log_softmax(src.to(torch.float32), dim=-1, out=out)
 
 

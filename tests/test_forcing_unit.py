@@ -294,7 +294,8 @@ def test_force_rows_makes_each_token_its_rows_only_maximum_and_touches_nothing_e
     the row gives it probability 1, no NaN, even beside -inf entries); no other entry changes."""
     from genlm_vlm.engine.forcing import force_rows
 
-    for dtype in (torch.float32, torch.bfloat16):
+    # float32 and float16 go through numpy on the CPU, bfloat16 through torch's index_put
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
         base = (torch.randn(6, 11) * 50).to(dtype)
         base[2, 9] = float("-inf")
         for rows, tokens in (([1, 2, 3], [4, 0, 10]), ([5, 0, 2], [1, 1, 9]), ([4], [3])):

@@ -315,7 +315,8 @@ class SMCController(StepMasks, Controller):
         m = len(particles)
         self.rows += m
         self.rows_per_step.append(m)
-        rows = torch.as_tensor(rows)
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.as_tensor(rows)
         if self.device is not None and rows.device != self.device:
             rows = rows.to(self.device)
         rows = self._target_rows(rows)  # target_temperature: log_softmax(rows / tau), on the rows' device
