@@ -231,6 +231,16 @@ def test_plan_and_inputs():
     assert all(len(c) <= 240 and 0 < len(e) <= 41 for c, e in mc)  # short enough for max_model_len 512
 
 
+def test_round_ratios_pair_the_systems_round_by_round():
+    """Round i's ratio is the first system's rate in round i over the second's in round i;
+    a round where either has no time or no work is left out."""
+    a = [{"wall_s": 1.0, "w": 10}, {"wall_s": 2.0, "w": 10}, {"wall_s": None, "w": 10}, {"wall_s": 1.0, "w": 8}]
+    b = [{"wall_s": 2.0, "w": 10}, {"wall_s": 1.0, "w": 10}, {"wall_s": 1.0, "w": 10}, {"wall_s": 1.0, "w": 0}]
+    assert harness.round_ratios(a, b, "w") == [2.0, 0.5]
+    assert report.middle_half([0.5, 2.0, 1.0]) is None
+    assert report.middle_half([4.0, 1.0, 3.0, 2.0, 5.0]) == (2.0, 4.0)
+
+
 # ------------------------------------------------------------------------------ report
 def _result():
     cell = {"workload": "smc", "n": 8, "unit": "particle-steps/s", "work_key": "particle_steps", "main": "lm.smc",
@@ -249,6 +259,12 @@ def test_report_table_header_files_and_svg(tmp_path, monkeypatch):
     assert "| smc | 8 | lm.smc / vllm decode | **2** | 200 / 100 particle-steps/s | ok, distinct 8-8/8 |" in text
     res["cells"][1]["cpu_ratios"] = {"vllm decode": 2.5}  # the systems reported their CPU seconds
     assert "| smc | 32 | lm.smc / vllm decode | **3** (CPU 2.5) | 200 / 100" in report.table(res)
+    # no per-round ratios (an older result), or fewer than four rounds: no middle half
+    assert "| ok, distinct 8-8/8 | - |" in text
+    res["cells"][1]["round_ratios"] = {"vllm decode": [3.0, 2.0, 4.0]}
+    assert report.table(res).splitlines()[-1].endswith("| ok, distinct 8-8/32 | - |")
+    res["cells"][1]["round_ratios"] = {"vllm decode": [1.0, 2.0, 3.0, 4.0, 5.0]}
+    assert report.table(res).splitlines()[-1].endswith("| ok, distinct 8-8/32 | 2-4 |")
     head = report.header(res)
     assert "vLLM 0.32.0" in head and "runner: V1, dtype: float32, eager" in head and "0.50 0.40 0.30" in head
     assert report.series(res) == {"smc: lm.smc / vllm decode": [(8, 2.0), (32, 3.0)]}

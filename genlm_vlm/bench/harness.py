@@ -223,6 +223,18 @@ def median_rate(results: Sequence[Mapping[str, Any]], work_key: str, time_key: s
     return statistics.median(rates) if rates else None
 
 
+def round_ratios(main: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]],
+                 work_key: str) -> list[float]:
+    """Per round (the i-th result of each system: the same round of :func:`alternate`), the
+    first system's rate (``work / wall``) over the second's; rounds where either has no
+    timed rate or no work are left out."""
+    out = []
+    for a, b in zip(main, other, strict=False):
+        if a.get("wall_s") and b.get("wall_s") and a.get(work_key) and b.get(work_key):
+            out.append((a[work_key] / a["wall_s"]) / (b[work_key] / b["wall_s"]))
+    return out
+
+
 # ------------------------------------------------------------------------------ a fake system
 class _FakeSystem:
     """No engine: ``run("work", units=k)`` does ``k`` units of arithmetic and reports them;

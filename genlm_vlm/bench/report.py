@@ -7,6 +7,8 @@ import json
 import math
 import pathlib
 import platform
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -39,11 +41,22 @@ def _num(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
+def middle_half(values: Sequence[float]) -> tuple[float, float] | None:
+    """The 25th and 75th percentiles of ``values`` (None for fewer than four: too few to say)."""
+    if len(values) < 4:
+        return None
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def table(result: dict[str, Any]) -> str:
     """The ratio table (markdown): one line per cell and compared system. A ratio is genlm_vlm's
     median rate over the other system's (above 1: genlm_vlm did the same work faster); where the
-    systems reported their process CPU seconds, the same ratio from those follows it ("CPU")."""
-    lines = ["| workload | N | ratio | value | rates (median) | checks |", "|---|---|---|---|---|---|"]
+    systems reported their process CPU seconds, the same ratio from those follows it ("CPU").
+    The last column is the middle half (25th to 75th percentile) of the ratios of single rounds
+    (each round runs every system once), where there were at least four rounds."""
+    lines = ["| workload | N | ratio | value | rates (median) | checks | rounds: middle half |",
+             "|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         main = c["main"]
         checks = "ok" if not c["problems"] else f"{len(c['problems'])} FAILED"
@@ -56,7 +69,9 @@ def table(result: dict[str, Any]) -> str:
             rates = f"{_num(c['rates'][main])} / {_num(c['rates'][label])} {c['unit']}"
             cpu = c.get("cpu_ratios", {}).get(label)
             value = f"**{_num(ratio)}**" + (f" (CPU {_num(cpu)})" if cpu else "")
-            lines.append(f"| {c['workload']} | {c['n']} | {main} / {label} | {value} | {rates} | {checks} |")
+            half = middle_half(c.get("round_ratios", {}).get(label, []))
+            spread = f"{_num(half[0])}-{_num(half[1])}" if half else "-"
+            lines.append(f"| {c['workload']} | {c['n']} | {main} / {label} | {value} | {rates} | {checks} | {spread} |")
     return "\n".join(lines)
 
 

@@ -115,9 +115,12 @@ def run_cell(cell: Cell, procs: dict[str, harness.SystemProcess], reps: int,
     # the same from each system's process CPU seconds (less disturbed than wall by other work on the machine)
     cpu = {label: harness.median_rate(rs, cell.work_key, "cpu_s") for label, rs in runs.items()}
     cpu_ratios = {label: cpu[main] / rate for label, rate in cpu.items() if label != main and rate and cpu[main]}
+    # each round's own ratio (the systems ran one after the other in it): how far the ratio moves
+    per_round = {label: harness.round_ratios(runs[main], rs, cell.work_key) for label, rs in runs.items() if label != main}
     return {
         "workload": cell.workload, "n": cell.n, "unit": cell.unit, "work_key": cell.work_key, "main": main,
-        "rates": rates, "ratios": ratios, "cpu_ratios": cpu_ratios, "order": done["order"], "agreement": agreement(runs),
+        "rates": rates, "ratios": ratios, "cpu_ratios": cpu_ratios, "round_ratios": per_round,
+        "order": done["order"], "agreement": agreement(runs),
         "problems": check_cell(cell, runs, warm),
         "runs": {label: [_drop_bulk(r) for r in rs] for label, rs in runs.items()},
     }
