@@ -145,6 +145,9 @@ INNER = [
     ("genlm_vlm.smc.algorithm", "SMCController", "_take"),
     ("genlm_vlm.smc.automaton", "BoundAutomaton", "advance_many"),
     ("genlm_vlm.smc.algorithm", "SMCController", "_maybe_resample"),
+    ("vllm.v1.sample.sampler", "Sampler", "forward"),  # vLLM's sampler: ours runs inside
+    ("vllm.v1.sample.sampler", "Sampler", "apply_logits_processors"),
+    ("vllm.v1.sample.sampler", "Sampler", "sample"),  # the draw itself (decode's; a greedy argmax for ours)
 ]
 
 
@@ -198,6 +201,10 @@ def record(args: argparse.Namespace) -> None:
     else:
         from genlm_vlm.bench.systems import genlm_system
 
+        if args.forcer_threads is not None:  # the forcer's torch threads (FORCER_THREADS), this process only
+            from genlm_vlm.engine import forcing
+
+            forcing.FORCER_THREADS = args.forcer_threads
         system = genlm_system(spec)
 
         def job(rep: int) -> dict:
@@ -268,6 +275,8 @@ def main() -> None:
                    "sampler-side pieces too (INNER), in microseconds of thread CPU per step")
     r.add_argument("--same-steps", help="decode: sequences ending where the live counts in this file "
                    "(OUT.steps.json of a requests or bursts record) drop")
+    r.add_argument("--forcer-threads", type=int, help="requests: the forcer's torch threads "
+                   "(genlm_vlm.engine.forcing.FORCER_THREADS; default: the sampler's own)")
     r.add_argument("--idle", action="store_true", help="keep idle samples (py-spy --idle)")
     r.add_argument("--out", required=True)
     r.add_argument("--pyspy", default=os.environ.get("PYSPY", "py-spy"))
