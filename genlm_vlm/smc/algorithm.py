@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .constraints import BoundConstraint, usable_width
-from .controller import Controller, Decision, Tokens
+from .controller import Controller, Decision, Tokens, resampled
 from .prefetch import MaskPrefetch, StepMasks
 
 if TYPE_CHECKING:  # torch and the step are imported where used: importing genlm_vlm.smc stays light
@@ -419,18 +419,9 @@ class SMCController(StepMasks, Controller):
             return None
         self.log_z += total - math.log(self.n_particles)
         parents = ancestors(w, self.resampling, self.rng)
-        c = self.constraint
-        taken: set[int] = set()  # a parent's first copy takes its state and tokens, the others copy them
-        states, tokens = [], []
-        for p in parents:
-            if p in taken:
-                states.append(c.copy(self.states[p]))
-                tokens.append(self.tokens[p].copy())
-            else:
-                states.append(self.states[p])
-                tokens.append(self.tokens[p])
-                taken.add(p)
-        self.states, self.tokens = states, tokens
+        # a parent's first copy takes its state and tokens, the others copy them
+        self.states = resampled(self.states, parents, self.constraint.copy)
+        self.tokens = resampled(self.tokens, parents, list.copy)
         self.history = [self.history[p] for p in parents]
         self.status = [self.status[p] for p in parents]
         self.log_w = np.zeros(self.n_particles)

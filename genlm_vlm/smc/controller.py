@@ -47,9 +47,9 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 Tokens = tuple[int, ...]
 
@@ -319,16 +319,7 @@ class ParticleSet:
             if tok is not None:
                 gen[i].append(tok)
         if parents is not None:
-            new: list[list[int]] = []
-            taken: set[int] = set()
-            for p in parents:
-                g = gen[p]
-                if p in taken:
-                    g = g.copy()  # a copy: a list of its own
-                else:
-                    taken.add(p)
-                new.append(g)
-            self._gen = new
+            self._gen = resampled(gen, parents, list.copy)
             flags = [flags[p] for p in parents]
         self.live_flags, self._longest, self._tuples = flags, longest, None
         return stop
@@ -347,6 +338,25 @@ class ParticleSet:
                     f"(max_model_len={self.max_len}): stop it earlier (a None token ends a particle, "
                     "Decision.stop the run) while its context is below max_model_len"
                 )
+
+
+T = TypeVar("T")
+
+
+def resampled(items: Sequence[T], parents: Sequence[int], copy: Callable[[T], T]) -> list[T]:
+    """``[items[p] for p in parents]`` where each parent's first place takes ``items[p]`` itself
+    and each later place ``copy(items[p])``: after a resampling every particle owns what it
+    changes in place (its token list, its constraint state), and a parent's first copy pays no
+    copy."""
+    taken: set[int] = set()
+    out: list[T] = []
+    for p in parents:
+        if p in taken:
+            out.append(copy(items[p]))
+        else:
+            taken.add(p)
+            out.append(items[p])
+    return out
 
 
 def fold_rows(rows: Any, k: int) -> Any:
