@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .book import LIVE, Book
 from .constraints import BoundConstraint, usable_width
 from .controller import Controller, Decision, Tokens, resampled
 from .prefetch import MaskPrefetch, StepMasks
@@ -182,10 +183,10 @@ class SMCResult:
 
 
 def _logsumexp(x: np.ndarray) -> float:
-    top = float(np.max(x)) if x.size else -math.inf
+    top = float(x.max()) if x.size else -math.inf  # the methods: np.max and np.sum's reductions, less overhead
     if not math.isfinite(top):
         return top
-    return top + math.log(float(np.sum(np.exp(x - top))))
+    return top + math.log(float(np.exp(x - top).sum()))
 
 
 def log_marginals(log_l: float, particles: Sequence[Particle]) -> tuple[float, float]:
@@ -267,14 +268,8 @@ class SMCController(StepMasks, Controller):
         self.rng = np.random.default_rng(seed)
         self.states = [constraint.initial()]
         self.states += [constraint.copy(self.states[0]) for _ in range(n_particles - 1)]
-        self.tokens: list[list[int]] = [[] for _ in range(n_particles)]
-        #: A number per particle naming its token history: equal numbers, equal histories (and
-        #: so equal states and masks). Kept per step from (parent's number, token), not hashed
-        #: from the whole history.
-        self.history = [0] * n_particles
-        self._next_history: dict[tuple[int, int], int] = {}
-        self.log_w = np.zeros(n_particles)
-        self.status = ["live"] * n_particles
+        #: The particles' weights, tokens, statuses and history numbers, as arrays (:mod:`.book`).
+        self.book = Book(n_particles, max_tokens, self.eos)
         self.log_z = 0.0  # from the resampling steps so far
         self.ess: list[float] = []
         self.resampled_at: list[int] = []
@@ -331,10 +326,10 @@ class SMCController(StepMasks, Controller):
         direct = fused_inputs(rows, bits, width, self.temperature, counts)
         if direct is not None:  # the fused CPU step, called without propose's checks and tensors
             tok, incr = fused_arrays(direct[0], direct[1], u, self.temperature, width)
-            tokens = tok.tolist()
         else:
             tokens, incr = to_host(*propose(rows, bits, u, self.temperature, width=width, counts=counts))
-        out = self._take(particles, tokens, incr)
+            tok = np.array(tokens, dtype=np.int64)
+        out = self._take(particles, tok, incr)
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
@@ -360,7 +355,7 @@ class SMCController(StepMasks, Controller):
         tokens keep only their allowed EOS ids (a copy; ``bits`` itself is left alone)."""
         if not self.force_eos:
             return bits
-        last = [k for k, i in enumerate(particles) if len(self.tokens[i]) >= self.max_tokens - 1]
+        last = np.flatnonzero(self.book.lens[np.asarray(particles, dtype=np.int64)] >= self.max_tokens - 1).tolist()
         if not last:
             return bits
         if self._eos_only is None or self._eos_only.shape[0] != bits.shape[1]:
@@ -374,38 +369,25 @@ class SMCController(StepMasks, Controller):
         self.forced += len(last)
         return bits
 
-    def _take(self, particles: Sequence[int], tokens: list[int], incr: np.ndarray) -> list[int | None]:
-        """Each particle takes its proposed token (``-1``: it dies, its increment is ``-inf``);
-        returns what the runner feeds each (None: nothing, it stopped). The weights move in one
-        numpy operation, the constraint's states in one :meth:`~.BoundConstraint.advance_many`."""
-        self.log_w[np.asarray(particles, dtype=np.int64)] += incr  # the same float64 sums as one by one
-        out: list[int | None] = [None] * len(particles)
-        moved, moves = [], []
-        status, seqs, history, nxt = self.status, self.tokens, self.history, self._next_history
-        eos, cap = self.eos, self.max_tokens
-        for k, (i, token) in enumerate(zip(particles, tokens, strict=True)):
-            if token < 0:
-                status[i] = "dead"
-            elif token in eos:
-                status[i] = "finished"
-            else:
-                seq = seqs[i]
-                seq.append(token)
-                moved.append(i)
-                moves.append(token)
-                history[i] = nxt.setdefault((history[i], token), len(nxt) + 1)
-                if len(seq) >= cap:
-                    status[i] = "cut"
-                else:
-                    out[k] = token
-        if moved:
-            states = self.states
-            for i, state in zip(moved, self.constraint.advance_many([states[i] for i in moved], moves), strict=True):
+    def _take(self, particles: Sequence[int], tok: np.ndarray, incr: np.ndarray) -> list[int | None]:
+        """Each particle takes its proposed token (``tok``, int64; ``-1``: it dies, its increment
+        is ``-inf``); returns what the runner feeds each (None: nothing, it stopped). The
+        particles' arrays move in one numpy operation each (:meth:`.Book.take`), the constraint's
+        states in one :meth:`~.BoundConstraint.advance_many`."""
+        moved, moves, out = self.book.take(np.asarray(particles, dtype=np.int64), tok, incr)
+        if len(moved):
+            states, at = self.states, moved.tolist()
+            for i, state in zip(at, self.constraint.advance_many([states[i] for i in at], moves.tolist()), strict=True):
                 states[i] = state
         return out
 
+    @property
+    def log_w(self) -> np.ndarray:
+        """The particles' log weights (float64 ``[n_particles]``)."""
+        return self.book.log_w
+
     def _maybe_resample(self) -> list[int] | None:
-        lw = self.log_w
+        lw = self.book.log_w
         total = _logsumexp(lw)
         if not math.isfinite(total):  # every particle died
             self.ess.append(0.0)
@@ -413,29 +395,26 @@ class SMCController(StepMasks, Controller):
                 self.died_at = self.steps
             return None
         w = np.exp(lw - total)
-        ess = 1.0 / float(np.sum(w * w))
+        ess = 1.0 / float((w * w).sum())
         self.ess.append(ess)
-        if "live" not in self.status or ess >= self.ess_threshold * self.n_particles:
+        if ess >= self.ess_threshold * self.n_particles or not self.book.any_live():
             return None
         self.log_z += total - math.log(self.n_particles)
         parents = ancestors(w, self.resampling, self.rng)
-        # a parent's first copy takes its state and tokens, the others copy them
+        # a parent's first copy takes its state, the others copy it
         self.states = resampled(self.states, parents, self.constraint.copy)
-        self.tokens = resampled(self.tokens, parents, list.copy)
-        self.history = [self.history[p] for p in parents]
-        self.status = [self.status[p] for p in parents]
-        self.log_w = np.zeros(self.n_particles)
+        self.book.resample(parents)
         self.resampled_at.append(self.steps)
         return parents
 
     # ------------------------------------------------------------------ the end
     def result(self, generated: Sequence[Tokens]) -> SMCResult:
-        vocab = self.byte_vocab
+        vocab, book = self.byte_vocab, self.book
         particles = []
         for i in range(self.n_particles):
-            status = "cut" if self.status[i] == "live" else self.status[i]
-            toks = self.tokens[i]
-            particles.append(Particle(list(toks), b"".join(vocab[t] for t in toks), float(self.log_w[i]), status))
+            status = "cut" if book.status[i] == LIVE else book.status_of(i)
+            toks = book.tokens(i)
+            particles.append(Particle(toks, b"".join(vocab[t] for t in toks), float(book.log_w[i]), status))
         log_marginal, log_marginal_cut = log_marginals(self.log_z, particles)
         posterior = posterior_of(particles)
         stats = {

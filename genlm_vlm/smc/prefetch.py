@@ -32,9 +32,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .book import Book
 
 
 class MaskPrefetch:
@@ -106,12 +109,12 @@ def torch_index(index: list[int], device: Any) -> Any:
 class StepMasks:
     """A step's constraint masks, computed now or ahead (see the module docstring). Mixed into
     :class:`~.algorithm.SMCController`, whose attributes it reads: ``constraint``, ``states``,
-    ``history`` (a number per particle naming its token history), ``width``, ``mask_overlap``
-    and ``_prefetch`` (a :class:`MaskPrefetch`)."""
+    ``book`` (a :class:`~.book.Book`: each particle's history number), ``width``,
+    ``mask_overlap`` and ``_prefetch`` (a :class:`MaskPrefetch`)."""
 
     constraint: Any
     states: list[Any]
-    history: list[int]
+    book: Book
     width: int
     mask_overlap: bool
     _prefetch: MaskPrefetch
@@ -150,22 +153,17 @@ class StepMasks:
         them (cancelled if not started, else waited for; an exception they raised is dropped)."""
         self._prefetch.discard()
 
-    def _prefetch_key(self, particles: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        history = self.history
-        return tuple(particles), tuple(history[i] for i in particles)
+    def _prefetch_key(self, particles: Sequence[int]) -> tuple[tuple[int, ...], bytes]:
+        return tuple(particles), self.book.history[np.asarray(particles, dtype=np.int64)].tobytes()
 
     def _masks_now(self, particles: Sequence[int], device: Any) -> tuple[Any, np.ndarray | None]:
         """:meth:`_bitmasks` computed here and now (on whichever thread calls it)."""
-        first: dict[int, int] = {}
-        history = self.history
-        index = [first.setdefault(history[i], len(first)) for i in particles]
-        width, c = self.width, self.constraint
-        if len(first) == len(index):
-            bits = c.bitmasks_on([self.states[i] for i in particles], width, device)
+        width, c, states = self.width, self.constraint, self.states
+        shared = self.book.first_of_each(np.asarray(particles, dtype=np.int64))
+        if shared is None:  # every particle its own history
+            bits = c.bitmasks_on([states[i] for i in particles], width, device)
             return bits, c.last_counts
-        reps: dict[int, int] = {}
-        for i, k in zip(particles, index, strict=True):
-            reps.setdefault(k, i)
-        unique = c.bitmasks_on([self.states[reps[k]] for k in range(len(first))], width, device)
+        reps, index = shared
+        unique = c.bitmasks_on([states[i] for i in reps.tolist()], width, device)
         counts = c.last_counts
-        return unique[torch_index(index, unique.device)], None if counts is None else counts[index]
+        return unique[torch_index(index.tolist(), unique.device)], None if counts is None else counts[index]
