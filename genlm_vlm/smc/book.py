@@ -23,8 +23,9 @@ class Book:
 
     ``log_w``: float64 ``[n]`` log weights. ``status``: int8 ``[n]`` (:data:`LIVE`,
     :data:`FINISHED`, :data:`CUT`, :data:`DEAD`). ``lens``: int64 ``[n]``, tokens each particle
-    took (not the one that ended it); ``seq[i, :lens[i]]`` are they (int64, as wide as the longest
-    so far needs). ``history``: int64 ``[n]``, a number per particle naming its token history:
+    took (not the one that ended it); ``seq[i, :lens[i]]`` are they (int32: token ids are below
+    2**31; as wide as the longest so far needs, doubling up to ``cap``). ``history``: int64
+    ``[n]``, a number per particle naming its token history:
     two live particles have equal numbers exactly when they took the same tokens (and so have
     the same constraint state and mask); ``distinct``: whether the live particles' numbers are
     pairwise distinct (no two share a history), known without looking at them.
@@ -38,7 +39,7 @@ class Book:
         self.log_w = np.zeros(n)
         self.status = np.zeros(n, dtype=np.int8)
         self.lens = np.zeros(n, dtype=np.int64)
-        self.seq = np.zeros((n, min(cap, 64)), dtype=np.int64)
+        self.seq = np.zeros((n, min(cap, 64)), dtype=np.int32)
         self.history = np.zeros(n, dtype=np.int64)  # every particle starts from the empty history
         self.next_history = 1  # numbers given so far are below this one
         self.distinct = n == 1
@@ -86,7 +87,7 @@ class Book:
     def _grow(self) -> None:
         """Double the token columns (up to ``cap``)."""
         width = self.seq.shape[1]
-        seq = np.zeros((self.n, min(self.cap, 2 * width)), dtype=np.int64)
+        seq = np.zeros((self.n, min(self.cap, 2 * width)), dtype=np.int32)
         seq[:, :width] = self.seq
         self.seq = seq
 
