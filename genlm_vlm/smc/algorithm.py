@@ -315,8 +315,9 @@ class SMCController(StepMasks, Controller):
         if self.device is not None and rows.device != self.device:
             rows = rows.to(self.device)
         rows = self._target_rows(rows)  # target_temperature: log_softmax(rows / tau), on the rows' device
+        idx = np.asarray(particles, dtype=np.int64)  # the particles as an index into the book's arrays
         bits, counts = self._bitmasks(particles, rows.device)
-        forced = self._last_token_masks(bits, particles)  # force_eos: the max_tokens-th token is EOS
+        forced = self._last_token_masks(bits, idx)  # force_eos: the max_tokens-th token is EOS
         if forced is not bits:
             bits, counts = forced, None
         t1 = time.perf_counter()
@@ -329,7 +330,7 @@ class SMCController(StepMasks, Controller):
         else:
             tokens, incr = to_host(*propose(rows, bits, u, self.temperature, width=width, counts=counts))
             tok = np.array(tokens, dtype=np.int64)
-        out = self._take(particles, tok, incr)
+        out = self._take(idx, tok, incr)
         parents = self._maybe_resample()
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
@@ -350,12 +351,13 @@ class SMCController(StepMasks, Controller):
         x = (x - torch.where(top > -math.inf, top, torch.zeros_like(top))) / tau
         return x.log_softmax(dim=-1).float()
 
-    def _last_token_masks(self, bits: torch.Tensor, particles: Sequence[int]) -> torch.Tensor:
-        """With ``force_eos``: the bitmask rows of particles that have generated ``max_tokens - 1``
-        tokens keep only their allowed EOS ids (a copy; ``bits`` itself is left alone)."""
+    def _last_token_masks(self, bits: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """With ``force_eos``: the bitmask rows of the live particles ``idx`` that have generated
+        ``max_tokens - 1`` tokens keep only their allowed EOS ids (a copy; ``bits`` itself is left
+        alone)."""
         if not self.force_eos:
             return bits
-        last = np.flatnonzero(self.book.lens[np.asarray(particles, dtype=np.int64)] >= self.max_tokens - 1).tolist()
+        last = np.flatnonzero(self.book.lens[idx] >= self.max_tokens - 1).tolist()
         if not last:
             return bits
         if self._eos_only is None or self._eos_only.shape[0] != bits.shape[1]:
@@ -369,12 +371,12 @@ class SMCController(StepMasks, Controller):
         self.forced += len(last)
         return bits
 
-    def _take(self, particles: Sequence[int], tok: np.ndarray, incr: np.ndarray) -> list[int | None]:
-        """Each particle takes its proposed token (``tok``, int64; ``-1``: it dies, its increment
-        is ``-inf``); returns what the runner feeds each (None: nothing, it stopped). The
-        particles' arrays move in one numpy operation each (:meth:`.Book.take`), the constraint's
-        states in one :meth:`~.BoundConstraint.advance_many`."""
-        moved, moves, out = self.book.take(np.asarray(particles, dtype=np.int64), tok, incr)
+    def _take(self, idx: np.ndarray, tok: np.ndarray, incr: np.ndarray) -> list[int | None]:
+        """Each live particle (``idx``, int64) takes its proposed token (``tok``, int64; ``-1``: it
+        dies, its increment is ``-inf``); returns what the runner feeds each (None: nothing, it
+        stopped). The particles' arrays move in one numpy operation each (:meth:`.Book.take`),
+        the constraint's states in one :meth:`~.BoundConstraint.advance_many`."""
+        moved, moves, out = self.book.take(idx, tok, incr)
         if len(moved):
             states, at = self.states, moved.tolist()
             for i, state in zip(at, self.constraint.advance_many([states[i] for i in at], moves.tolist()), strict=True):
