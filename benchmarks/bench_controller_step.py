@@ -20,9 +20,9 @@ versions in alternating processes.
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,22 +33,20 @@ from genlm_vlm.smc import Regex
 from genlm_vlm.smc.api import prepare
 from genlm_vlm.smc.controller import ParticleSet, check_decision
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 DEMO = Path(__file__).resolve().parents[1] / "genlm_vlm" / "data" / "demo-model"
 STEADY = r"[a-z ]{1000}"  # the bench's `steady`: no particle finishes, nothing resampled
-
-
-def _timed(acc: collections.Counter, obj: object, name: str, label: str) -> None:
-    """Wrap ``obj.name`` to add its thread CPU nanoseconds to ``acc[label]``."""
-    f = getattr(obj, name)
-
-    def g(*a, **k):
-        c0 = time.thread_time_ns()
-        try:
-            return f(*a, **k)
-        finally:
-            acc[label] += time.thread_time_ns() - c0
-
-    setattr(obj, name, g)
+#: ``--parts``: the step's pieces (profile_step.py's INNER form), and the names printed for them.
+PARTS = [
+    ("genlm_vlm.smc.prefetch", "StepMasks", "_bitmasks"),
+    ("genlm_vlm.smc.step_cpu", None, "fused_arrays"),
+    ("genlm_vlm.smc.algorithm", "SMCController", "_take"),
+    ("genlm_vlm.smc.automaton", "BoundAutomaton", "advance_many"),
+    ("genlm_vlm.smc.algorithm", "SMCController", "_maybe_resample"),
+]
+NAMES = {"StepMasks._bitmasks": "masks", "fused_arrays": "fused draw", "SMCController._take": "bookkeeping",
+         "BoundAutomaton.advance_many": "- of which advances", "SMCController._maybe_resample": "ESS, resampling"}
 
 
 def run(lm: MockAsyncLM, n: int, pattern: str, t: int, reps: int, temperature: float) -> tuple[list[float], str, int]:
@@ -94,24 +92,21 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="also time the step's pieces (us a step)")
     args = ap.parse_args()
     lm = MockAsyncLM.from_name(str(DEMO))
-    acc: collections.Counter = collections.Counter()
+    timers: dict = {}
     if args.parts:
-        from genlm_vlm.smc import algorithm, automaton, step_cpu
+        from profile_step import _wrap_inner
 
-        _timed(acc, algorithm.SMCController, "_bitmasks", "masks")
-        _timed(acc, step_cpu, "fused_arrays", "fused draw")
-        _timed(acc, algorithm.SMCController, "_take", "bookkeeping")
-        _timed(acc, automaton.BoundAutomaton, "advance_many", "- of which advances")
-        _timed(acc, algorithm.SMCController, "_maybe_resample", "ESS, resampling")
+        timers = _wrap_inner(PARTS)
     for n in args.n:
-        acc.clear()
+        for t in timers.values():
+            t[:] = [0, 0.0, 0.0]
         times, fp, steps = run(lm, n, args.pattern, args.t, args.reps, args.temperature)
         times.sort()
         line = (f"N={n} steps={steps}: {statistics.median(times):.0f} us a step (median; min {times[0]:.0f}, "
                 f"max {times[-1]:.0f}) fingerprint {fp}")
         if args.parts:
             total = (args.reps + 2) * steps  # every run has the same steps (the same rows)
-            line += " | " + ", ".join(f"{k} {v / 1e3 / total:.0f}" for k, v in acc.items())
+            line += " | " + ", ".join(f"{NAMES[k]} {1e6 * t[2] / total:.0f}" for k, t in timers.items())
         print(line, flush=True)
     lm.cleanup()
 
