@@ -295,8 +295,10 @@ class SMCController(StepMasks, Controller):
         self._prefetch = MaskPrefetch()
         if (self.device is None and not torch.cuda.is_available()) or (self.device is not None and self.device.type == "cpu"):
             from .step_cpu import fused_available
+            from .walk_cpu import walker
 
             fused_available()  # the fused CPU step compiled (or loaded) here, not in an engine step
+            walker()  # and the automata's token walk
 
     # ------------------------------------------------------------------ one step
     def step(self, rows: Any, particles: Sequence[int]) -> Decision:

@@ -39,12 +39,15 @@ from .bytenfa import ByteNFA
 from .constraint_base import BoundConstraint, Constraint, ConstraintError
 from .futures import Futures
 from .lazydfa import ByteDFA, LazyDFA
+from .walk_cpu import TokenBytes
 
 if TYPE_CHECKING:
     import torch
 
 #: Bytes of bitmask rows one (pattern, vocabulary) table may keep (least recently used dropped).
 MASK_BYTES = 64 << 20
+#: :attr:`TokenMasks._used` of a free row: above every gather's number.
+_FREE = np.iinfo(np.int64).max
 #: Past this many tokens still walking, a fill keeps only the live ones for the next byte.
 COMPACT_ABOVE = 8192
 #: A state of 2 to this many NFA positions gets its text tokens as the union of its positions'
@@ -75,6 +78,8 @@ class TokenWalk:
         lengths = lengths[order]
         buf = np.frombuffer(b"".join(bytes(byte_vocab[i]) for i in self.ids), dtype=np.uint8)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
+        #: Each text token's bytes by id, for a step's advances (:meth:`.LazyDFA.walk_tokens`).
+        self.token_bytes = TokenBytes(self.ids, lengths, starts, buf, n)
         longest = self.longest = int(lengths[0]) if len(lengths) else 0
         self.columns: list[np.ndarray] = []
         for k in range(longest):
@@ -125,7 +130,12 @@ class TokenMasks:
         self.max_rows = max(1, max_rows if max_rows is not None else MASK_BYTES // (4 * walk.words))
         self._rows = torch.zeros((min(64, self.max_rows), walk.words), dtype=torch.int32)
         self._counts = np.zeros(self._rows.shape[0], dtype=np.int64)
-        self._where: OrderedDict[bytes, int] = OrderedDict()  # state key -> row, least recently used first
+        self._where: dict[bytes, int] = {}  # state key -> row
+        self._key_of: list[bytes | None] = [None] * self._rows.shape[0]  # row -> state key (None: free)
+        #: Per row, the last gather that read it (free rows: :data:`_FREE`, never a victim); the
+        #: least recently read row not read by the current gather is evicted first.
+        self._used = np.full(self._rows.shape[0], _FREE, dtype=np.int64)
+        self._tick = 0
         self._free: list[int] = list(range(self._rows.shape[0] - 1, -1, -1))
         self._lock = threading.Lock()
         self.filled = 0  # rows computed (again, after an eviction)
@@ -152,24 +162,28 @@ class TokenMasks:
         import torch
 
         with self._lock:
+            self._tick += 1
             where = self._where
-            need = dict.fromkeys(states)
-            for k in need:
-                if k in where:
-                    where.move_to_end(k)
-            missing = [k for k in need if k not in where]
-            if missing:
+            get = where.get
+            idx = [get(k, -1) for k in states]
+            if -1 in idx:  # states met for the first time (or whose rows were evicted)
+                used, tick = self._used, self._tick
+                for r in idx:  # this gather's rows are never chosen as victims
+                    if r >= 0:
+                        used[r] = tick
                 with self.dfa.lock:
                     self.dfa.trim()
-                    for k in missing:
-                        self._fill(k, need)
-            idx = [where[k] for k in states]
+                    for k in dict.fromkeys(states):
+                        if k not in where:
+                            self._fill(k)
+                idx = [where[k] for k in states]
+            at = np.array(idx, dtype=np.int64)
+            self._used[at] = self._tick
             table = self._rows if device is None else self._table_on(torch.device(device))
             rows = table if words >= table.shape[1] else table[:, :words]
             if rows.device.type == "cpu":  # numpy's gather: a new array, no index tensor
-                return torch.from_numpy(rows.numpy()[idx]), self._counts[idx]
-            at = torch.tensor(idx, dtype=torch.int64)
-            return rows.index_select(0, at.to(rows.device, non_blocking=True)), self._counts[idx]
+                return torch.from_numpy(rows.numpy()[at]), self._counts[at]
+            return rows.index_select(0, torch.from_numpy(at).to(rows.device, non_blocking=True)), self._counts[at]
 
     @property
     def table(self) -> torch.Tensor:
@@ -192,7 +206,9 @@ class TokenMasks:
         self._stale[device] = set()
         return copy
 
-    def _fill(self, key: bytes, keep: dict[bytes, None]) -> None:
+    def _fill(self, key: bytes) -> None:
+        """Compute ``key``'s row into a free row, evicting the least recently read row that the
+        current gather did not read when none is free."""
         import torch
 
         if not self._free:
@@ -204,14 +220,17 @@ class TokenMasks:
                 self._rows = grown
                 self._stale = dict.fromkeys(self._stale)  # device copies: whole again
                 self._counts = np.concatenate([self._counts, np.zeros(new - old, dtype=np.int64)])
+                self._used = np.concatenate([self._used, np.full(new - old, _FREE, dtype=np.int64)])
+                self._key_of += [None] * (new - old)
                 self._free = list(range(new - 1, old - 1, -1))
             else:
-                victim = next((s for s in self._where if s not in keep), None)
-                if victim is None:
+                victim = int(np.argmin(self._used))
+                if self._used[victim] >= self._tick:  # every row is read by this gather
                     raise RuntimeError(
                         f"a step needs more distinct automaton states than the mask table holds ({self.max_rows})"
                     )
-                self._free.append(self._where.pop(victim))
+                del self._where[self._key_of[victim]]  # type: ignore[arg-type]
+                self._free.append(victim)
                 self.evicted += 1
         row = self._free.pop()
         if key:
@@ -225,6 +244,8 @@ class TokenMasks:
         self._rows[row] = torch.from_numpy(bits)
         self._counts[row] = int(np.bitwise_count(bits.view(np.uint32)).sum())
         self._where[key] = row
+        self._key_of[row] = key
+        self._used[row] = self._tick
         self.filled += 1
         for stale in self._stale.values():
             if stale is not None:
@@ -307,25 +328,31 @@ class BoundAutomaton(BoundConstraint):
     def advance(self, state: bytes, token: int) -> bytes:
         return self.advance_many((state,), (token,))[0]
 
-    def advance_many(self, states: Sequence[bytes], tokens: Sequence[int]) -> list[bytes]:
+    def advance_many(self, states: Sequence[bytes], tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Each state after its token: every walk at once where it can be
+        (:meth:`.LazyDFA.walk_tokens`), the rest (moves not made yet, EOS, a token not allowed)
+        one by one."""
         t0 = time.perf_counter()
-        out = []
-        vocab, dfa, eos = self._vocab, self.dfa, self._eos
-        n = min(len(vocab), self.width)
+        dfa = self.dfa
         with dfa.lock:
             dfa.trim()
-            for state, token in zip(states, tokens, strict=True):
-                t = int(token)
-                if t in eos and state and dfa.accepts(state):
-                    out.append(b"")  # the text ended: nothing may follow
-                    continue
-                data = vocab[t] if 0 <= t < n and t not in eos else b""
-                nxt = dfa.step(state, data) if data and state else b""
-                if not nxt:
-                    raise ValueError(f"{self.what}: token {t} is not allowed here (the mask allowed it?)")
-                out.append(nxt)
+            out, rest = dfa.walk_tokens(states, tokens, self.masks_table.walk.token_bytes)
+            for k in rest:
+                out[k] = self._advance_one(states[k], int(tokens[k]))
         self.seconds += time.perf_counter() - t0
-        return out
+        return out  # type: ignore[return-value]
+
+    def _advance_one(self, state: bytes, t: int) -> bytes:
+        """One particle's move (under the DFA's lock): EOS ends an accepted text (the dead state
+        follows), any other token walks its bytes; a token not allowed raises ``ValueError``."""
+        dfa = self.dfa
+        if t in self._eos and state and dfa.accepts(state):
+            return b""  # the text ended: nothing may follow
+        data = self._vocab[t] if 0 <= t < min(len(self._vocab), self.width) and t not in self._eos else b""
+        nxt = dfa.step(state, data) if data and state else b""
+        if not nxt:
+            raise ValueError(f"{self.what}: token {t} is not allowed here (the mask allowed it?)")
+        return nxt
 
     def copy(self, state: bytes) -> bytes:
         return state
