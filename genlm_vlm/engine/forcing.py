@@ -210,16 +210,19 @@ class ParticleHost:
         make each continuing request's token its row's one greedy choice (:func:`force_rows`). Rows of
         partial prefills, of ended runs and of requests being aborted are left as they are."""
         chunks = self._chunks() if self._chunks is not None else ()
-        by_rid = self.by_rid
         touched: dict[RequestRun, list[tuple[int, Group]]] = {}
-        for r, rid in zip(rows, rids, strict=True):
-            entry = by_rid.get(rid)
-            if entry is None or rid in chunks:
+        for r, rid, entry in zip(rows, rids, map(self.by_rid.get, rids), strict=True):
+            if entry is None:
                 continue
-            run, g = entry
-            if run.done or run.ending is not None or g.row is not None or g.stale or g.rid != rid:
+            g = entry[1]
+            if g.row is not None or g.stale or g.rid != rid or (chunks and rid in chunks):
                 continue
-            touched.setdefault(run, []).append((r, g))
+            items = touched.get(entry[0])
+            if items is None:
+                items = touched[entry[0]] = []
+            items.append((r, g))
+        for run in [run for run in touched if run.done or run.ending is not None]:
+            del touched[run]
         if not touched:
             return logits
         with _Threads(FORCER_THREADS if logits.device.type == "cpu" else None):
@@ -254,13 +257,19 @@ class ParticleHost:
                             g.stale = True
                         run.counts["early_rows"] += len(items)
                         self.counts["early_rows"] += len(items)
-                expect = self._expect
-                for rid, tok in run.forced.items():
-                    r = where.get(rid)
-                    if r is not None:
-                        index.append(r)
-                        tokens.append(tok)
-                        expect[rid] = tok
+                forced = run.forced
+                at = list(map(where.get, forced))
+                if None not in at:  # every forced request has its row in this call (the common step)
+                    index += at
+                    tokens += forced.values()
+                    self._expect.update(forced)
+                else:
+                    expect = self._expect
+                    for r, (rid, tok) in zip(at, forced.items(), strict=True):
+                        if r is not None:
+                            index.append(r)
+                            tokens.append(tok)
+                            expect[rid] = tok
             except Exception as e:  # noqa: BLE001 - a bug of ours while handling one run: that run only
                 logger.error("a controller run failed inside the sampler", exc_info=e)
                 self.loop.count_fault("burst_errors")

@@ -305,21 +305,38 @@ class ParticleSet:
         that a runner that needs the normalised decision itself checks it once. The contexts are
         still checked against ``max_len`` here (:class:`ControllerError`, nothing applied).
         O(number of particles), plus a copy of each resampled copy's tokens."""
+        if len(tokens) != len(particles):  # before anything is applied (zip's strict would raise midway)
+            raise ValueError(f"{len(tokens)} tokens for {len(particles)} particles")
         gen, flags = self._gen, list(self.live_flags)
         longest = self._longest
+        room = None if self.max_len is None else self.max_len - len(self.prompt)
+        if stop or room is None or longest + 1 < room:  # no context can reach max_len: apply at once
+            for i, tok in zip(particles, tokens, strict=True):
+                if tok is None:
+                    flags[i] = False
+                else:
+                    g = gen[i]
+                    g.append(tok)
+                    if len(g) > longest:
+                        longest = len(g)
+            return self._applied(flags, longest, parents, stop)
         for i, tok in zip(particles, tokens, strict=True):
             if tok is None:
                 flags[i] = False
             elif len(gen[i]) >= longest:
                 longest = len(gen[i]) + 1
-        room = None if self.max_len is None else self.max_len - len(self.prompt)
-        if not stop and room is not None and longest >= room:  # a particle may have reached it: look
+        if longest >= room:  # a particle may have reached it: look
             self._check_room(tokens, parents, particles, flags, room)
         for i, tok in zip(particles, tokens, strict=True):  # checked: now applied
             if tok is not None:
                 gen[i].append(tok)
+        return self._applied(flags, longest, parents, stop)
+
+    def _applied(self, flags: list[bool], longest: int, parents: list[int] | None, stop: bool) -> bool:
+        """The end of :meth:`apply_checked`, once the tokens are appended: the resampling, the
+        new flags and bound on lengths."""
         if parents is not None:
-            self._gen = resampled(gen, parents, list.copy)
+            self._gen = resampled(self._gen, parents, list.copy)
             flags = [flags[p] for p in parents]
         self.live_flags, self._longest, self._tuples = flags, longest, None
         return stop

@@ -218,7 +218,7 @@ def _fused() -> object:
 #: built from its bits. Within two units in the last place of the exact value (0.27 on average),
 #: plain float64 operations in a fixed order (no fused multiply-add): the same bits on every CPU. A
 #: loop the compiler vectorises, 1.6-1.9x faster than the degree-13 polynomial without a table it
-#: replaced (sixteenth session) and about 4x faster than libm's ``exp`` per entry.
+#: replaced (fifteenth session) and about 4x faster than libm's ``exp`` per entry.
 _LN2_64_HI = 0.010830417275428772
 _LN2_64_LO = 7.420820373486988e-09
 _INV_LN2_64 = 92.33248261689366
