@@ -86,8 +86,8 @@ def test_without_the_compiled_walk_every_particle_goes_one_by_one(monkeypatch: p
     vocab = _vocab()
     pattern = r"[abc ]{0,20}"
     ref = Regex(pattern).bind(vocab, [0], len(vocab), {})
-    monkeypatch.setattr(walk_cpu, "_kernel", None)
-    monkeypatch.setattr(walk_cpu, "_failed", ["the compiled token walk is off: ModuleNotFoundError: numba"])
+    monkeypatch.setattr(walk_cpu._WALK, "kernel", None)
+    monkeypatch.setattr(walk_cpu._WALK, "failed", ["the compiled token walk is off: ModuleNotFoundError: numba"])
     assert walk_cpu.walker() is None
     bound = Regex(pattern).bind(vocab, [0], len(vocab), {})
     s = bound.initial()

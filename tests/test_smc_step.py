@@ -175,8 +175,8 @@ def test_the_paths_agree_and_auto_chooses_by_density(fused, monkeypatch):
     float64 round-off (the same arithmetic but for the exponential's polynomial). ``auto``: fused on narrow rows and on wide rows with
     sparse masks; without numba (simulated), dense or gather by density."""
     if not fused:
-        monkeypatch.setattr(C, "_fused_kernel", None)
-        monkeypatch.setattr(C, "_fused_failed", ["the fused CPU step is off: ModuleNotFoundError('numba')"])
+        monkeypatch.setattr(C._FUSED, "kernel", None)
+        monkeypatch.setattr(C._FUSED, "failed", ["the fused CPU step is off: ModuleNotFoundError('numba')"])
     rng = np.random.default_rng(5)
     m = 40
     cases = ((4096, 0.8, "fused" if fused else "dense"), (4096, 0.002, "fused" if fused else "gather"),
@@ -319,7 +319,7 @@ def test_gpu_controller_check_runs_on_the_cpu(tmp_path):
     args = ["controller_check.py", "--device", "cpu", "--out", str(tmp_path), "--width", "2048", "--ms", "3", "8",
             "--reps", "2", "--warmup", "1", "--host-reps", "1"]
     code = ("import runpy, sys; from genlm_vlm.smc import step_cpu; "
-            "step_cpu._fused_failed.append('off: the GPU host has no numba'); "
+            "step_cpu._FUSED.failed.append('off: the GPU host has no numba'); "
             f"sys.argv = {args!r}; runpy.run_path('benchmarks/gpu/controller_check.py', run_name='__main__')")
     cmd = [sys.executable, "-c", code]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

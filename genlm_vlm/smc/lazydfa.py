@@ -329,25 +329,6 @@ class ByteDFA:
             s = int(self.table[s, byte])
         return s
 
-    def walk_tokens(self, keys: Sequence[bytes], tokens: Sequence[int] | np.ndarray,
-                    vocab: TokenBytes) -> tuple[list[bytes | None], list[int]]:
-        """The states after each of ``keys`` reads token ``tokens[i]``'s bytes (``vocab``), made
-        in one compiled walk (:mod:`.walk_cpu`) where every move on the way is made already:
-        ``(after, rest)``, ``after[i]`` None for each ``i`` in ``rest`` (a move not made yet, a
-        state not in the cache, the dead state on the way, a token without bytes in ``vocab``,
-        or no compiled walk): the caller walks those (:meth:`step`). Under :attr:`lock`."""
-        with self.lock:
-            get = self._slot.get
-            slots = np.array([get(k, -1) for k in keys], dtype=np.int64)
-            got = walk(self.table, slots, np.asarray(tokens, dtype=np.int64), vocab)
-            if got is None:
-                return [None] * len(keys), list(range(len(keys)))
-            ok = got > 0
-            self._used[got[ok]] = self._tick
-            names = self._keys
-            after: list[bytes | None] = [names[s] if s > 0 else None for s in got.tolist()]
-            return after, [] if ok.all() else np.flatnonzero(~ok).tolist()
-
     def matches(self, data: bytes) -> bool:
         return bool(self.accept[self.walk(data)])
 

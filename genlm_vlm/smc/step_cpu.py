@@ -17,6 +17,8 @@ import threading
 import numpy as np
 import torch
 
+from .jit import Compiled
+
 #: On the CPU the dense path works through the rows in chunks of about this many entries (buffers
 #: that stay in cache and are allocated once per thread), not one ``[m, width]`` buffer.
 CPU_CHUNK = 1 << 18
@@ -178,9 +180,6 @@ def _draw_blocks(masses: torch.Tensor, e: torch.Tensor, u: torch.Tensor, picks: 
 #: steady cell, 42 % of 32,768 columns allowed; on 2,048 columns 0.42 -> 0.30 ms at N = 32.
 FUSED_ALWAYS_UPTO = 8192
 FUSED_DENSITY = 2
-_fused_kernel: object = None
-_fused_failed: list[str] = []  # why the fused kernel is not available (empty: it is, or not tried)
-_fused_lock = threading.Lock()
 
 
 def fused_available() -> bool:
@@ -191,23 +190,11 @@ def fused_available() -> bool:
 
 def fused_error() -> str | None:
     """Why the fused kernel is not used (None: it is, or was not tried yet)."""
-    return _fused_failed[0] if _fused_failed else None
+    return _FUSED.error()
 
 
 def _fused() -> object:
-    global _fused_kernel
-    if _fused_kernel is None and not _fused_failed:
-        with _fused_lock:
-            if _fused_kernel is None and not _fused_failed:
-                try:
-                    _fused_kernel = _compile()
-                except Exception as e:  # noqa: BLE001 - no numba (vLLM requires it): the torch paths
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    _fused_failed.append(f"the fused CPU step is off: {type(e).__name__}: {first}")
-                    import logging
-
-                    logging.getLogger(__name__).info("SMC step: %s; the torch paths run", _fused_failed[0])
-    return _fused_kernel
+    return _FUSED.get()
 
 
 #: :func:`_kernel`'s exponential (float64, arguments ``z <= 0``): ``z = (64 k + j) ln(2) / 64 + h``
@@ -372,6 +359,10 @@ def _compile() -> object:
     sig = ("void(float32[:, :], uint32[:, ::1], int64, float64[::1], float64, int64[::1], float64[::1], "
            "float32[::1], float64[::1], int64[::1])")
     return numba.njit(sig, cache=True, nogil=True)(_kernel)
+
+
+#: The fused kernel, compiled on first use (:class:`~.jit.Compiled`).
+_FUSED = Compiled(_compile, "the fused CPU step", "the torch paths run")
 
 
 def use_fused(width: int, counts: object = None) -> bool:

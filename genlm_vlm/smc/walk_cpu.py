@@ -13,13 +13,9 @@ DFA's whichever way a walk went.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-_kernel: object = None
-_failed: list[str] = []  # why the kernel is not available (empty: it is, or not tried)
-_lock = threading.Lock()
+from .jit import Compiled
 
 
 class TokenBytes:
@@ -64,22 +60,14 @@ def _compile() -> object:
     return numba.njit(sig, cache=True, nogil=True)(_walk)
 
 
+#: The walk, compiled on first use (:class:`~.jit.Compiled`).
+_WALK = Compiled(_compile, "the compiled token walk", "particles are walked in Python")
+
+
 def walker() -> object:
     """The compiled loop (compiled once per process on first use, then loaded from numba's disk
     cache), or None where it cannot be (no numba: the callers walk in Python)."""
-    global _kernel
-    if _kernel is None and not _failed:
-        with _lock:
-            if _kernel is None and not _failed:
-                try:
-                    _kernel = _compile()
-                except Exception as e:  # noqa: BLE001 - no numba (vLLM requires it): walked in Python
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    _failed.append(f"the compiled token walk is off: {type(e).__name__}: {first}")
-                    import logging
-
-                    logging.getLogger(__name__).info("%s; particles are walked in Python", _failed[0])
-    return _kernel
+    return _WALK.get()
 
 
 def walk(table: np.ndarray, slots: np.ndarray, tokens: np.ndarray, vocab: TokenBytes) -> np.ndarray | None:
