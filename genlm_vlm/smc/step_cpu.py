@@ -378,7 +378,7 @@ def fused(rows: torch.Tensor, bits: torch.Tensor, u: torch.Tensor, t: float,
           width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole step in one compiled call, on the CPU at temperatures > 0: per row, the
     allowed entries compacted from the bitmask, the shift by their best entry, ``float64``
-    ``exp((x - shift) / t)`` (a vectorised polynomial within an ulp of libm's: :func:`_taylor`)
+    ``exp((x - shift) / t)`` (a table and a vectorised polynomial, within two ulps: :func:`_exp_parts`)
     and its running sum, the inverse-CDF draw by bisection and the increment. The gather path's
     float64 arithmetic but for the exponential: tokens equal away from ties, increments within
     float64 round-off (tests/test_smc_step.py). No torch operation runs; the rows are not written;
