@@ -22,21 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
-
-def _wrap(owner: object, name: str, acc: dict, key: str) -> None:
-    """Add the thread CPU time of ``owner.name``'s calls to ``acc[key]`` (ns)."""
-    inner = getattr(owner, name)
-
-    def timed(*a, **k):
-        c0 = time.thread_time_ns()
-        try:
-            return inner(*a, **k)
-        finally:
-            acc[key] += time.thread_time_ns() - c0
-
-    setattr(owner, name, timed)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -63,14 +52,11 @@ def main() -> None:
         from genlm_vlm.bench.systems import genlm_system
 
         system = genlm_system(spec)
-    import vllm.v1.worker.gpu_model_runner as runner
-    from vllm.v1.sample.sampler import Sampler
+    from profile_step import _wrap_inner, _wrap_runner
 
-    acc = dict.fromkeys("sfpue", 0)
-    _wrap(Sampler, "forward", acc, "s")
-    for name, key in (("_model_forward", "f"), ("_prepare_inputs", "p"), ("_update_states", "u"),
-                      ("execute_model", "e")):
-        _wrap(runner.GPUModelRunner, name, acc, key)
+    # thread CPU of the runner's parts (instance wrappers) and of vLLM's sampler, as profile_step.py
+    timers = _wrap_runner(system.llm if args.system == "decode" else system.lm.llm)
+    timers.update(_wrap_inner([("vllm.v1.sample.sampler", "Sampler", "forward")]))
     for n in args.n:
         def job(rep: int, n: int = n) -> dict:
             if args.system == "decode":
@@ -80,11 +66,13 @@ def main() -> None:
         job(0)  # warm-up
         shares = []
         for rep in range(1, args.reps + 1):
-            for k in acc:
-                acc[k] = 0
+            for t in timers.values():
+                t[:] = [0, 0.0, 0.0]  # in place: the wrappers hold these lists
             job(rep)
-            f = max(1, acc["f"])
-            shares.append((acc["s"] / f, acc["p"] / f, acc["u"] / f, (acc["e"] - acc["f"] - acc["p"] - acc["u"]) / f))
+            cpu = {k: t[2] for k, t in timers.items()}
+            f = max(cpu["_model_forward"], 1e-9)
+            rest = cpu["execute_model"] - cpu["_model_forward"] - cpu["_prepare_inputs"] - cpu["_update_states"]
+            shares.append((cpu["Sampler.forward"] / f, cpu["_prepare_inputs"] / f, cpu["_update_states"] / f, rest / f))
         s = sorted(x[0] for x in shares)
         print(f"{args.system} N={n}: sampler / forward {statistics.median(s):.3f} ({s[0]:.3f}-{s[-1]:.3f}), "
               f"input prep / forward {statistics.median(x[1] for x in shares):.3f}, state update / forward "
